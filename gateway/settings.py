@@ -1,0 +1,55 @@
+"""One typed settings object, read from the environment (prefix ``TTS_``).
+
+Every field is documented in the README's configuration table; defaults fit the local stack
+(``make run``), where the LLM server, Triton and the gateway share one machine.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TTS_", extra="ignore")
+
+    # --- HTTP ---
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model: str = "cosyvoice2-dit"
+    """Our own model id; the OpenAI names (tts-1, tts-1-hd, gpt-4o-mini-tts, ...) are aliases of it."""
+    max_body_bytes: int = 1_048_576
+    """Largest JSON body accepted on /v1/audio/speech (413 beyond it)."""
+
+    # --- speech-token LLM server (trtllm-serve in production, vLLM elsewhere) ---
+    llm_url: str = "http://127.0.0.1:8100/v1"
+    llm_model: str = "cosyvoice2"
+    llm_dialect: Literal["auto", "trtllm", "vllm"] = "auto"
+    llm_tokenizer_dir: str = "var/models/llm"
+    """Folder with the LLM's tokenizer files (tokenizer.json ...): prompts are sent as token ids."""
+    llm_context_tokens: int = 2048
+    llm_timeout_s: float = 60.0
+    llm_temperature: float = 0.8
+    llm_top_p: float = 0.95
+    llm_top_k: int = 50
+    llm_repetition_penalty: float = 1.1
+
+    # --- token2wav on Triton ---
+    triton_url: str = "127.0.0.1:8201"
+    """gRPC address of tritonserver."""
+    triton_model: str = "token2wav_dit"
+    triton_timeout_s: float = 60.0
+
+    # --- streaming ---
+    chunk_schedule: str = "exponential"
+    """Named token-chunk schedule (see gateway/pipeline.py)."""
+
+    # --- voices ---
+    voices_dir: str = "var/voices"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
