@@ -1,0 +1,82 @@
+"""Cut an input into segments that each fit the LLM's context.
+
+One segment is one LLM completion and one token2wav stream. The LLM's prompt holds the voice prompt,
+the segment's text and up to 20 speech tokens per text token of output, so the text budget per
+segment is small (~80 tokens with a 10 s voice prompt in a 2048-token context). We cut at sentence
+ends first, then at clause punctuation, then at spaces, and only as a last resort inside a run of
+characters. Concatenating the segments gives back the input exactly: nothing is lost or reordered.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+# A sentence ends after terminal punctuation (plus closing quotes/brackets) and the whitespace after it.
+# CJK terminators need no following space.
+_SENTENCE_END = re.compile(r"""(?:[.!?;…]+["'”’)\]]*\s+|[。！？；]+["'”’）」』]*\s*|\n+)""")
+_CLAUSE_END = re.compile(r"""(?:[,:，、：—–]+["'”’)\]）]*\s*)""")
+_SPACE = re.compile(r"\s+")
+
+
+def _cut_after(text: str, pattern: re.Pattern[str]) -> list[str]:
+    """Split ``text`` right after each match of ``pattern``; the pieces concatenate to ``text``."""
+    pieces: list[str] = []
+    start = 0
+    for match in pattern.finditer(text):
+        if match.end() > start:
+            pieces.append(text[start : match.end()])
+            start = match.end()
+    if start < len(text):
+        pieces.append(text[start:])
+    return pieces
+
+
+def split_sentences(text: str) -> list[str]:
+    return _cut_after(text, _SENTENCE_END)
+
+
+def _fit(piece: str, budget: int, count: Callable[[str], int]) -> Iterator[str]:
+    """Yield sub-pieces of ``piece`` no longer than ``budget`` tokens, cutting at the gentlest boundary."""
+    if count(piece) <= budget:
+        yield piece
+        return
+    for pattern in (_CLAUSE_END, _SPACE):
+        parts = _cut_after(piece, pattern)
+        if len(parts) > 1:
+            yield from _pack(parts, budget, count)
+            return
+    # One unbroken run (e.g. CJK without punctuation): halve by characters until it fits.
+    middle = len(piece) // 2
+    yield from _fit(piece[:middle], budget, count)
+    yield from _fit(piece[middle:], budget, count)
+
+
+def _pack(pieces: list[str], budget: int, count: Callable[[str], int]) -> Iterator[str]:
+    """Greedily join consecutive pieces while the joined text stays within ``budget`` tokens."""
+    current = ""
+    for piece in pieces:
+        for part in _fit(piece, budget, count):
+            if current and count(current + part) > budget:
+                yield current
+                current = part
+            else:
+                current += part
+    if current:
+        yield current
+
+
+def split_into_segments(text: str, max_tokens: int, count_tokens: Callable[[str], int]) -> list[str]:
+    """Segments of at most ``max_tokens`` text tokens whose concatenation is ``text``.
+
+    Segments that hold only whitespace/punctuation-free blanks are merged into their neighbours by
+    construction (they never start a segment on their own unless the text is blank).
+    """
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be positive")
+    segments = list(_pack(split_sentences(text), max_tokens, count_tokens))
+    # A trailing segment of pure whitespace has nothing to say; fold it into the previous one's text.
+    while len(segments) > 1 and not segments[-1].strip():
+        tail = segments.pop()
+        segments[-1] += tail
+    return segments
