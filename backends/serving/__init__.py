@@ -1,0 +1,1 @@
+"""Helpers that run model servers for tests and the local stack (tritonserver launcher)."""

@@ -1,0 +1,417 @@
+"""The token2wav streaming service: what the Triton model does, testable without Triton.
+
+Triton's sequence batcher routes every request of one correlation id to one model instance, but it
+does not own the model's per-stream state: it never tells the model when it drops an idle sequence,
+and a client that vanishes between chunks sends nothing at all. So this module keeps its own table
+of live streams keyed by correlation id and frees an entry on END, on an explicit abort, on
+cancellation, on any error inside the stream, and by a TTL reaper thread. Admission control (max
+live streams, max state bytes) answers an "unavailable" error instead of letting the process run out
+of memory. Prepared voices live in a bounded LRU keyed by the voice's content hash.
+
+Errors carry a stable tag in their message (``[token2wav:unavailable]``, ``[token2wav:bad_request]``,
+...) because Triton's gRPC stream delivers only an error string to the client, never a status code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
+
+import numpy as np
+
+from gateway.voices import LOOKAHEAD_PADS, conditioning_hash
+
+log = logging.getLogger(__name__)
+
+#: Speech token ids are FSQ codes 0..6560 (3^8 values).
+MAX_SPEECH_TOKEN = 6560
+SPEAKER_EMBEDDING_DIM = 192
+MEL_BINS = 80
+
+
+class Token2WavServiceError(Exception):
+    """Base error; ``kind`` is the tag clients map to their own error types."""
+
+    kind = "internal"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"[token2wav:{self.kind}] {self.message}"
+
+
+class BadRequest(Token2WavServiceError):
+    kind = "bad_request"
+
+
+class Unavailable(Token2WavServiceError):
+    """Capacity exhausted: the client may retry later or elsewhere."""
+
+    kind = "unavailable"
+
+
+class Cancelled(Token2WavServiceError):
+    kind = "cancelled"
+
+
+class Engine(Protocol):
+    """The part of ``backends.token2wav.engine.Token2WavEngine`` the service uses."""
+
+    sample_rate: int
+
+    def prepare_voice(self, prompt_tokens: np.ndarray, prompt_mel: np.ndarray, speaker_embedding: np.ndarray,
+                      lookahead_pad: str = "silence") -> Any: ...
+
+    def start_stream(self, voice: Any, seed: int = 0) -> Any: ...
+
+    def feed(self, state: Any, tokens: np.ndarray, final: bool) -> np.ndarray: ...
+
+    def state_nbytes(self, state: Any) -> int: ...
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Model parameters: from config.pbtxt ``parameters``, each overridable by ``TOKEN2WAV_<NAME>``."""
+
+    model_dir: str = "/models/token2wav"
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_live_streams: int = 16
+    """Streams one instance holds at once; a START beyond it is answered 'unavailable'."""
+    max_state_mib: float = 0.0
+    """Total per-stream state one instance may hold (0: no byte limit, only the stream count)."""
+    stream_ttl_s: float = 60.0
+    """A stream with no request for this long is freed (Triton drops idle sequences silently)."""
+    voice_cache_size: int = 64
+    """Prepared voices kept per instance (LRU)."""
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, str], environ: Mapping[str, str] | None = None) -> "ServiceConfig":
+        """Read string parameters (Triton's config), then let environment variables override them."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, default in cls().__dict__.items():
+            raw = environ.get(env_name(name), parameters.get(name))
+            if raw is None or str(raw) == "":
+                continue
+            values[name] = type(default)(raw)
+        return cls(**values)
+
+
+def env_name(parameter: str) -> str:
+    """Environment variable that overrides one model parameter."""
+    return "TOKEN2WAV_" + parameter.upper()
+
+
+def parameter_env(**parameters: object) -> dict[str, str]:
+    """Environment for a tritonserver process that overrides the given model parameters."""
+    known = set(ServiceConfig().__dict__)
+    unknown = set(parameters) - known
+    if unknown:
+        raise ValueError(f"unknown token2wav parameters {sorted(unknown)}; known: {sorted(known)}")
+    return {env_name(name): str(value) for name, value in parameters.items()}
+
+
+@dataclass
+class VoiceTensors:
+    """Conditioning tensors as they arrive with a START request (any leading singleton dims)."""
+
+    prompt_tokens: np.ndarray
+    prompt_mel: np.ndarray
+    speaker_embedding: np.ndarray
+    lookahead_pad: str = "silence"
+
+
+@dataclass
+class ChunkRequest:
+    """One Triton request, decoded."""
+
+    correlation_id: int
+    start: bool
+    end: bool
+    tokens: np.ndarray
+    abort: bool = False
+    voice_id: str | None = None
+    voice: VoiceTensors | None = None
+    seed: int = 0
+
+
+@dataclass
+class ChunkResult:
+    pcm: np.ndarray
+    """float32 [S] produced by this request."""
+    live_sequences: int
+    """Streams this instance holds after the request."""
+
+
+class VoiceCache:
+    """Bounded LRU of prepared voice conditioning keyed by content hash (thread-safe)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("voice cache capacity must be at least 1")
+        self.capacity = capacity
+        self._entries: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Any | None:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+
+@dataclass
+class _Stream:
+    state: Any
+    voice_id: str
+    last_used: float
+    nbytes: int = 0
+    busy: bool = False
+
+
+@dataclass
+class ServiceStats:
+    started: int = 0
+    ended: int = 0
+    aborted: int = 0
+    cancelled: int = 0
+    reaped: int = 0
+    failed: int = 0
+    rejected: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Token2WavService:
+    """Sequence table + voice cache around one engine. One instance per Triton model instance.
+
+    ``handle`` is called from Triton's execute thread; the reaper runs in its own thread. A stream is
+    marked busy while the engine works on it so the reaper never frees state under the engine's feet.
+    """
+
+    def __init__(self, engine: Engine, config: ServiceConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.config = config
+        self.voices = VoiceCache(config.voice_cache_size)
+        self.stats = ServiceStats()
+        self._clock = clock
+        self._streams: dict[int, _Stream] = {}
+        self._lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # --- public API -------------------------------------------------------------------------
+
+    def live_sequences(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def live_state_bytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes for s in self._streams.values())
+
+    def handle(self, request: ChunkRequest) -> ChunkResult:
+        """Run one request. Raises a ``Token2WavServiceError``; after any error the stream is gone."""
+        cid = request.correlation_id
+        if request.abort:
+            if self._free(cid):
+                self.stats.aborted += 1
+            return self._result(np.zeros(0, np.float32))
+        try:
+            tokens = _speech_tokens(request.tokens, "tokens")
+            if request.start:
+                if self._free(cid):
+                    log.warning("sequence %d restarted: previous state dropped", cid)
+                if request.end and tokens.size == 0 and request.voice_id is None and request.voice is None:
+                    return self._result(np.zeros(0, np.float32))  # probe: reports the live count
+                stream = self._open(request)
+            else:
+                stream = self._claim(cid)
+            try:
+                pcm = self.engine.feed(stream.state, tokens, final=request.end)
+            except Exception as exc:  # the engine's state is unusable after a failed feed
+                log.exception("sequence %d: engine failed", cid)
+                raise Token2WavServiceError(f"engine failed on sequence {cid}: {exc}") from exc
+        except Token2WavServiceError as exc:
+            if self._free(cid):
+                self.stats.failed += 1
+            if isinstance(exc, Unavailable):
+                self.stats.rejected += 1
+            raise
+        pcm = np.ascontiguousarray(pcm, dtype=np.float32).reshape(-1)
+        if request.end:
+            self._free(cid)
+            self.stats.ended += 1
+        else:
+            self._release(cid, stream)
+        return self._result(pcm)
+
+    def cancel(self, correlation_id: int) -> bool:
+        """Free a stream whose client cancelled its request (gRPC cancellation)."""
+        freed = self._free(correlation_id)
+        if freed:
+            self.stats.cancelled += 1
+        return freed
+
+    def reap_idle(self, now: float | None = None) -> int:
+        """Free every stream idle for longer than the TTL; returns how many were freed."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            stale = [cid for cid, s in self._streams.items()
+                     if not s.busy and now - s.last_used > self.config.stream_ttl_s]
+            for cid in stale:
+                del self._streams[cid]
+        if stale:
+            self.stats.reaped += len(stale)
+            log.info("reaped %d idle sequences: %s", len(stale), stale)
+        return len(stale)
+
+    def start_reaper(self, interval_s: float | None = None) -> None:
+        """Run ``reap_idle`` in a daemon thread every ``interval_s`` (default: a quarter of the TTL)."""
+        if self._reaper is not None:
+            return
+        interval = interval_s if interval_s is not None else min(max(self.config.stream_ttl_s / 4, 0.05), 5.0)
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.reap_idle()
+                except Exception:  # the reaper must never die quietly
+                    log.exception("reaper failed")
+
+        self._reaper = threading.Thread(target=loop, name="token2wav-reaper", daemon=True)
+        self._reaper.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+            self._reaper = None
+        with self._lock:
+            self._streams.clear()
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _result(self, pcm: np.ndarray) -> ChunkResult:
+        return ChunkResult(pcm=pcm, live_sequences=self.live_sequences())
+
+    def _open(self, request: ChunkRequest) -> _Stream:
+        voice_id, conditioning = self._resolve_voice(request)
+        with self._lock:
+            self._admit_locked()
+            # Reserve the slot before the (slow) engine call so concurrent STARTs respect the limit.
+            stream = _Stream(state=None, voice_id=voice_id, last_used=self._clock(), busy=True)
+            self._streams[request.correlation_id] = stream
+        try:
+            stream.state = self.engine.start_stream(conditioning, seed=int(request.seed))
+        except Exception as exc:
+            self._free(request.correlation_id)
+            raise Token2WavServiceError(f"could not start a stream: {exc}") from exc
+        self.stats.started += 1
+        return stream
+
+    def _admit_locked(self) -> None:
+        live = len(self._streams)
+        if live >= self.config.max_live_streams:
+            raise Unavailable(f"capacity: {live} live streams (max_live_streams={self.config.max_live_streams})")
+        if self.config.max_state_mib > 0:
+            used = sum(s.nbytes for s in self._streams.values())
+            if used >= self.config.max_state_mib * 2**20:
+                raise Unavailable(f"capacity: {used / 2**20:.1f} MiB of stream state "
+                                  f"(max_state_mib={self.config.max_state_mib})")
+
+    def _claim(self, cid: int) -> _Stream:
+        with self._lock:
+            stream = self._streams.get(cid)
+            if stream is None:
+                raise BadRequest(f"no live stream for correlation id {cid}: the first request needs START "
+                                 "(or the stream already ended, was aborted, failed or idled out)")
+            if stream.busy:
+                raise BadRequest(f"stream {cid} already has a request in flight")
+            stream.busy = True
+            return stream
+
+    def _release(self, cid: int, stream: _Stream) -> None:
+        nbytes = int(self.engine.state_nbytes(stream.state))
+        with self._lock:
+            if self._streams.get(cid) is stream:
+                stream.nbytes = nbytes
+                stream.last_used = self._clock()
+                stream.busy = False
+
+    def _free(self, cid: int) -> bool:
+        with self._lock:
+            return self._streams.pop(cid, None) is not None
+
+    def _resolve_voice(self, request: ChunkRequest) -> tuple[str, Any]:
+        voice_id = request.voice_id
+        if not voice_id:
+            raise BadRequest("START needs voice_id (the voice's content hash)")
+        cached = self.voices.get(voice_id)
+        if cached is not None:
+            return voice_id, cached
+        if request.voice is None:
+            raise BadRequest(f"unknown voice {voice_id}: not cached on this instance; send its conditioning "
+                             "tensors (prompt_tokens, prompt_mel, speaker_embedding) with START")
+        tokens, mel, embedding, pad = _voice_arrays(request.voice)
+        actual = conditioning_hash(tokens, mel, embedding, pad)
+        if actual != voice_id:
+            raise BadRequest(f"voice_id {voice_id} does not match the conditioning tensors (their hash is {actual})")
+        try:
+            conditioning = self.engine.prepare_voice(tokens, mel, embedding, lookahead_pad=pad)
+        except Exception as exc:
+            raise BadRequest(f"could not prepare voice {voice_id}: {exc}") from exc
+        self.voices.put(voice_id, conditioning)
+        return voice_id, conditioning
+
+
+def _speech_tokens(array: np.ndarray, name: str) -> np.ndarray:
+    array = np.asarray(array)
+    if array.dtype.kind not in "iu":
+        raise BadRequest(f"{name} must be integer speech token ids, got dtype {array.dtype}")
+    flat = array.reshape(-1).astype(np.int64)
+    if flat.size and (flat.min() < 0 or flat.max() > MAX_SPEECH_TOKEN):
+        bad = flat[(flat < 0) | (flat > MAX_SPEECH_TOKEN)][:5].tolist()
+        raise BadRequest(f"{name} must be speech token ids in 0..{MAX_SPEECH_TOKEN}, got {bad}")
+    return flat
+
+
+def _voice_arrays(voice: VoiceTensors) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """Normalise wire shapes ([1,T], [1,2T,80], [1,192]) to the Voice shapes the hash is defined on."""
+    tokens = _speech_tokens(voice.prompt_tokens, "prompt_tokens").astype(np.int32)
+    mel = np.asarray(voice.prompt_mel)
+    embedding = np.asarray(voice.speaker_embedding)
+    if mel.dtype != np.float32 or embedding.dtype != np.float32:
+        raise BadRequest("prompt_mel and speaker_embedding must be float32")
+    if mel.size != 2 * tokens.size * MEL_BINS:
+        raise BadRequest(f"prompt_mel must be [2T, {MEL_BINS}] for T={tokens.size}, got shape {mel.shape}")
+    if embedding.size != SPEAKER_EMBEDDING_DIM:
+        raise BadRequest(f"speaker_embedding must have {SPEAKER_EMBEDDING_DIM} values, got shape {embedding.shape}")
+    if voice.lookahead_pad not in LOOKAHEAD_PADS:
+        raise BadRequest(f"lookahead_pad must be one of {LOOKAHEAD_PADS}, got {voice.lookahead_pad!r}")
+    if not (np.isfinite(mel).all() and np.isfinite(embedding).all()):
+        raise BadRequest("prompt_mel and speaker_embedding must be finite")
+    return tokens, mel.reshape(-1, MEL_BINS), embedding.reshape(-1), voice.lookahead_pad

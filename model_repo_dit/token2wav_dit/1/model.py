@@ -1,0 +1,122 @@
+"""Triton python-backend adapter for token2wav: decode tensors, call the service, encode the answer.
+
+All logic (sequence table, reaper, limits, voice cache, validation) is in
+``backends.token2wav.service`` so it is testable without Triton; keep this file thin.
+The stub must run in the project's virtualenv (numpy<2): ``backends.serving.triton`` arranges it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backends.token2wav.service import (
+    BadRequest,
+    ChunkRequest,
+    ServiceConfig,
+    Token2WavService,
+    Token2WavServiceError,
+    VoiceTensors,
+)
+
+_ERROR_CODES = {
+    "bad_request": "INVALID_ARG",
+    "unavailable": "UNAVAILABLE",
+    "cancelled": "CANCELLED",
+    "internal": "INTERNAL",
+}
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        from backends.token2wav.engine import Token2WavEngine  # heavy (torch): only inside the server
+
+        model_config = json.loads(args["model_config"])
+        parameters = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+        self.config = ServiceConfig.from_parameters(parameters)
+        engine = Token2WavEngine.load(self.config.model_dir, device=self.config.device, dtype=self.config.dtype)
+        self.service = Token2WavService(engine, self.config)
+        self.service.start_reaper()
+        pb_utils.Logger.log_info(f"token2wav_dit ready: {self.config}")
+
+    def execute(self, requests: list) -> list:
+        return [self._respond(request) for request in requests]
+
+    def finalize(self) -> None:
+        self.service.close()
+
+    def _respond(self, request) -> "pb_utils.InferenceResponse":
+        cid = int(_input(request, "CORRID").reshape(-1)[0])
+        try:
+            if request.is_cancelled():
+                self.service.cancel(cid)
+                return _error("cancelled", f"request of sequence {cid} was cancelled")
+            result = self.service.handle(_decode(request, cid))
+            if request.is_cancelled():  # the answer is discarded: free the stream now
+                self.service.cancel(cid)
+        except Token2WavServiceError as exc:
+            return _error(exc.kind, str(exc))
+        except Exception as exc:  # keep the server healthy whatever happens
+            self.service.cancel(cid)
+            return _error("internal", f"[token2wav:internal] {type(exc).__name__}: {exc}")
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("pcm", result.pcm.reshape(1, -1)),
+            pb_utils.Tensor("live_sequences", np.array([result.live_sequences], np.int32)),
+        ])
+
+
+def _input(request, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _flag(request, name: str) -> bool:
+    value = _input(request, name)
+    return bool(value is not None and value.size and value.reshape(-1)[0])
+
+
+def _text(request, name: str) -> str | None:
+    value = _input(request, name)
+    if value is None or value.size == 0:
+        return None
+    item = value.reshape(-1)[0]
+    return item.decode() if isinstance(item, bytes) else str(item)
+
+
+def _decode(request, cid: int) -> ChunkRequest:
+    tokens = _input(request, "tokens")
+    prompt_tokens = _input(request, "prompt_tokens")
+    voice = None
+    if prompt_tokens is not None:
+        voice = VoiceTensors(
+            prompt_tokens=prompt_tokens,
+            prompt_mel=_required(request, "prompt_mel"),
+            speaker_embedding=_required(request, "speaker_embedding"),
+            lookahead_pad=_text(request, "lookahead_pad") or "silence",
+        )
+    seed = _input(request, "seed")
+    return ChunkRequest(
+        correlation_id=cid,
+        start=_flag(request, "START"),
+        end=_flag(request, "END"),
+        tokens=np.zeros(0, np.int32) if tokens is None else tokens,
+        abort=_flag(request, "abort"),
+        voice_id=_text(request, "voice_id"),
+        voice=voice,
+        seed=0 if seed is None or seed.size == 0 else int(seed.reshape(-1)[0]),
+    )
+
+
+def _required(request, name: str) -> np.ndarray:
+    value = _input(request, name)
+    if value is None:
+        raise BadRequest(f"{name} is required when prompt_tokens is sent")
+    return value
+
+
+def _error(kind: str, message: str) -> "pb_utils.InferenceResponse":
+    code = getattr(pb_utils.TritonError, _ERROR_CODES.get(kind, "INTERNAL"), None)
+    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
