@@ -1,0 +1,100 @@
+"""Conditional flow matching decoder: Euler ODE solve with classifier-free guidance.
+
+The reference draws its starting noise from a 10-minute random buffer made at construction and
+indexes it by the estimator cache length. Here the caller always passes the starting noise ``z``
+(shape (b, 80, t)): the engine draws it from a per-stream generator, parity tests pass the
+reference's noise. So nothing random or mutable lives in the module and streams cannot interact.
+
+cond and uncond run as one batch of 2B (CFG): the uncond half gets zero mu / speaker / condition.
+The streaming caches are stacked per Euler step: cnn (steps, depth, 2B, 2*hidden, 2) and
+att (steps, depth, 2B, heads, t, 2*head_dim).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from backends.token2wav.dit import DiT
+
+
+def cosine_t_span(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """t_i = 1 - cos(pi/2 * i/n): small steps near the noise end."""
+    t_span = torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
+    return 1 - torch.cos(t_span * 0.5 * torch.pi)
+
+
+class CausalConditionalCFM(nn.Module):
+    def __init__(self, estimator: DiT, inference_cfg_rate: float = 0.7, **_unused: object):
+        super().__init__()
+        if inference_cfg_rate <= 0:
+            raise ValueError("inference_cfg_rate must be > 0 (the solver always batches cond + uncond)")
+        self.estimator = estimator
+        self.inference_cfg_rate = inference_cfg_rate
+        self.out_channels = estimator.out_channels
+
+    def _guided(self, velocity: torch.Tensor) -> torch.Tensor:
+        cond_v, uncond_v = velocity.chunk(2, dim=0)
+        return (1.0 + self.inference_cfg_rate) * cond_v - self.inference_cfg_rate * uncond_v
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        mu: torch.Tensor,
+        mask: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        z: torch.Tensor,
+        n_timesteps: int = 10,
+    ) -> torch.Tensor:
+        """Whole utterance. mu, cond, z (b, 80, t); mask (b, 1, t); spks (b, 80). Returns mel (b, 80, t)."""
+        t_span = cosine_t_span(n_timesteps, mu.device, mu.dtype)
+        x = z.to(mu.dtype)
+        t = t_span[0].unsqueeze(0)
+        dt = t_span[1] - t_span[0]
+        mask_in = torch.cat([mask, mask], dim=0)
+        mu_in = torch.cat([mu, torch.zeros_like(mu)], dim=0)
+        spks_in = torch.cat([spks, torch.zeros_like(spks)], dim=0)
+        cond_in = torch.cat([cond, torch.zeros_like(cond)], dim=0)
+        for step in range(1, len(t_span)):
+            velocity = self.estimator(torch.cat([x, x], dim=0), mask_in, mu_in, torch.cat([t, t], dim=0), spks_in, cond_in)
+            x = x + dt * self._guided(velocity)
+            t = t + dt
+            if step < len(t_span) - 1:
+                dt = t_span[step + 1] - t
+        return x
+
+    @torch.inference_mode()
+    def forward_chunk(
+        self,
+        mu: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+        z: torch.Tensor,
+        n_timesteps: int = 10,
+        cnn_cache: Optional[torch.Tensor] = None,
+        att_cache: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One streaming chunk. Returns mel (b, 80, t) and the new per-step caches."""
+        t_span = cosine_t_span(n_timesteps, mu.device, mu.dtype)
+        x = z.to(mu.dtype)
+        t = t_span[0].unsqueeze(0)
+        dt = t_span[1] - t_span[0]
+        mu_in = torch.cat([mu, torch.zeros_like(mu)], dim=0)
+        spks_in = torch.cat([spks, torch.zeros_like(spks)], dim=0)
+        cond_in = torch.cat([cond, torch.zeros_like(cond)], dim=0)
+        new_cnn, new_att = [], []
+        for step in range(1, len(t_span)):
+            velocity, step_cnn, step_att = self.estimator.forward_chunk(
+                x.repeat(2, 1, 1), mu_in, t.repeat(2), spks_in, cond_in,
+                cnn_cache[step - 1] if cnn_cache is not None else None,
+                att_cache[step - 1] if att_cache is not None else None,
+            )
+            new_cnn.append(step_cnn)
+            new_att.append(step_att)
+            x = x + dt * self._guided(velocity)
+            t = t + dt
+            if step < len(t_span) - 1:
+                dt = t_span[step + 1] - t
+        return x, torch.stack(new_cnn), torch.stack(new_att)
