@@ -1,0 +1,232 @@
+"""Async streaming client for the speech-token LLM server (trtllm-serve, vLLM, or any OpenAI-style
+completions server): one prompt in, speech token ids 0..6560 out, as they are generated.
+
+Why it looks like this:
+- One pooled ``httpx.AsyncClient`` per gateway process; every utterance is one streaming POST.
+- The stream is an async generator holding the HTTP response open. Leaving it early (``aclose()``,
+  ``break`` inside ``async with contextlib.aclosing(...)``, or cancelling the task) closes the response,
+  which closes the connection; both trtllm-serve and vLLM abort a request whose client disconnected,
+  so an abandoned utterance stops costing GPU time.
+- Errors become the typed ``LLMError`` subclasses in ``gateway.llm.errors``.
+- min_tokens: sent to the server (vLLM and trtllm-serve both implement it). A server that ignores it
+  (older trtllm-serve 1.x) may end an utterance early; we accept that rather than fake it (a logit
+  bias against eos would need the server to support ``logit_bias`` with token ids, which is exactly the
+  kind of field those versions do not reliably have) and count it in ``early_eos_count`` and the log,
+  so it shows up. ``send_min_tokens=False`` leaves the field out for a server that rejects it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from gateway.llm import vocab
+from gateway.llm.dialects import DIALECTS, ChunkDecoder, SamplingParams, dialect_from_models, request_body
+from gateway.llm.errors import LLMBadRequest, LLMError, LLMServerError, LLMTimeout, LLMUnavailable
+from gateway.llm.prompt import CosyVoicePromptBuilder, LLMPrompt
+
+log = logging.getLogger(__name__)
+
+_BODY_SNIPPET = 500
+_EOS_IDS = frozenset(vocab.EOS_IDS)
+
+
+def _root_url(base_url: str) -> str:
+    """Accept ``http://host:port`` and ``http://host:port/v1`` alike."""
+    url = base_url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+class SpeechTokenLLM:
+    """Client of one speech-token LLM server.
+
+    ``dialect``: "trtllm", "vllm", "openai" (text fallback) or "auto": detected from ``GET /v1/models``
+    (its ``owned_by``: "vllm" / "tensorrt_llm"; anything else -> "openai"). Detection runs in
+    ``start()``; if the server is not up yet, it runs again before the first stream.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        prompt_builder: CosyVoicePromptBuilder,
+        dialect: str = "auto",
+        timeout_s: float = 60.0,
+        temperature: float = 0.8,
+        top_p: float = 0.95,
+        top_k: int = 50,
+        repetition_penalty: float = 1.1,
+        max_connections: int = 256,
+        *,
+        connect_timeout_s: float = 5.0,
+        send_min_tokens: bool = True,
+    ) -> None:
+        if dialect != "auto" and dialect not in DIALECTS:
+            raise ValueError(f"dialect must be 'auto' or one of {DIALECTS}, not {dialect!r}")
+        self.root_url = _root_url(base_url)
+        self.model = model
+        self.prompt_builder = prompt_builder
+        self.configured_dialect = dialect
+        self.dialect: str | None = None if dialect == "auto" else dialect
+        self.sampling = SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty
+        )
+        self.send_min_tokens = send_min_tokens
+        self.early_eos_count = 0
+        """Utterances the server ended (eos) before their min_tokens: non-zero means it ignores min_tokens."""
+        self.stray_token_count = 0
+        """Generated ids that were neither speech tokens nor eos (dropped)."""
+        self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._client: httpx.AsyncClient | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Open the connection pool and, for ``dialect="auto"``, try to detect the dialect now."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
+        if self.dialect is None:
+            try:
+                await self._detect_dialect()
+            except LLMError as exc:
+                log.warning("LLM dialect detection deferred (%s): will retry on first request", exc)
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def __aenter__(self) -> SpeechTokenLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def ready(self) -> bool:
+        """True when the server answers its health check (``/health``, else ``/v1/models``) with 200."""
+        client = self._require_client()
+        for path in ("/health", "/v1/models"):
+            try:
+                response = await client.get(self.root_url + path)
+            except httpx.HTTPError:
+                return False
+            if response.status_code == 200:
+                return True
+            if response.status_code != 404:
+                return False
+        return False
+
+    async def _detect_dialect(self) -> str:
+        client = self._require_client()
+        try:
+            response = await client.get(self.root_url + "/v1/models")
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+        if response.status_code != 200:
+            raise _status_error(response.status_code, response.text)
+        payload = response.json()
+        self.dialect = dialect_from_models(payload)
+        served = [card.get("id") for card in payload.get("data", [])]
+        if self.model not in served:
+            log.warning("LLM server serves %s, not %r: requests will likely be rejected", served, self.model)
+        log.info("LLM server at %s speaks the %s dialect", self.root_url, self.dialect)
+        return self.dialect
+
+    def _require_client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("SpeechTokenLLM.start() was not called")
+        return self._client
+
+    # ----------------------------------------------------------------- streaming
+
+    def request_body(self, prompt: LLMPrompt) -> dict[str, Any]:
+        """The JSON this client sends for ``prompt`` (dialect must be known)."""
+        if self.dialect is None:
+            raise RuntimeError("dialect not detected yet")
+        return request_body(self.dialect, self.model, prompt, self.sampling, send_min_tokens=self.send_min_tokens)
+
+    async def stream(self, prompt: LLMPrompt) -> AsyncIterator[int]:
+        """Speech token ids (0..6560) as they arrive. Ends on an eos id, after ``prompt.max_tokens``
+        tokens, or when the server ends the stream. Closing the generator closes the HTTP stream."""
+        client = self._require_client()
+        if self.dialect is None:
+            await self._detect_dialect()
+        body = self.request_body(prompt)
+        decoder = ChunkDecoder()
+        emitted = 0
+        try:
+            async with client.stream("POST", self.root_url + "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    raw = await response.aread()
+                    raise _status_error(response.status_code, raw.decode("utf-8", "replace"))
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, SSE comments, keep-alives
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        break
+                    for vocab_id in _ids_of_event(decoder, data):
+                        if vocab_id in _EOS_IDS:
+                            if emitted < prompt.min_tokens:
+                                self.early_eos_count += 1
+                                log.warning("LLM ended after %d < min_tokens %d", emitted, prompt.min_tokens)
+                            return
+                        speech_token = vocab_id - vocab.SPEECH_TOKEN_BASE_ID
+                        if not 0 <= speech_token < vocab.SPEECH_TOKEN_COUNT:
+                            self.stray_token_count += 1
+                            log.debug("dropping non-speech token id %d", vocab_id)
+                            continue
+                        yield speech_token
+                        emitted += 1
+                        if emitted >= prompt.max_tokens:
+                            return
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+
+
+def _ids_of_event(decoder: ChunkDecoder, data: str) -> list[int]:
+    """Vocabulary ids carried by one SSE ``data:`` payload; an error event raises."""
+    try:
+        event = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise LLMServerError(f"unparseable SSE event from LLM server: {data[:_BODY_SNIPPET]!r}") from exc
+    if not isinstance(event, dict):
+        raise LLMServerError(f"unexpected SSE event from LLM server: {data[:_BODY_SNIPPET]!r}")
+    if "error" in event:
+        error = event["error"]
+        message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+        code = error.get("code") if isinstance(error, dict) else None
+        status = code if isinstance(code, int) else None
+        if status is not None and 400 <= status < 500:
+            raise LLMBadRequest(f"LLM server rejected the request mid-stream: {message}", status_code=status)
+        raise LLMServerError(f"LLM server failed mid-stream: {message}", status_code=status)
+    ids: list[int] = []
+    for choice in event.get("choices") or []:
+        ids.extend(decoder.feed(choice))
+    return ids
+
+
+def _status_error(status: int, body: str) -> LLMError:
+    snippet = body[:_BODY_SNIPPET]
+    if status == 503:
+        return LLMUnavailable(f"LLM server unavailable (503): {snippet}", status_code=status, body=snippet)
+    if 400 <= status < 500:
+        return LLMBadRequest(f"LLM server rejected the request ({status}): {snippet}", status_code=status, body=snippet)
+    return LLMServerError(f"LLM server error ({status}): {snippet}", status_code=status, body=snippet)
+
+
+def _transport_error(exc: httpx.HTTPError) -> LLMError:
+    """Map httpx's transport failures: no connection -> unavailable, slow -> timeout, dropped -> unavailable."""
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return LLMTimeout(f"LLM server timed out: {exc!r}")
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return LLMUnavailable(f"cannot connect to LLM server: {exc!r}")
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.CloseError)):
+        return LLMUnavailable(f"LLM server dropped the connection: {exc!r}")
+    return LLMServerError(f"LLM transport error: {exc!r}")
