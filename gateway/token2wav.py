@@ -44,7 +44,7 @@ class Token2WavBadRequest(Token2WavError):
 _UNAVAILABLE_MARKERS = ("[token2wav:unavailable]", "unavailable", "deadline_exceeded", "deadline exceeded",
                         "failed to connect", "connection refused", "socket closed", "not ready")
 # Triton's own request validation (dtype/shape mismatch, missing START, bad correlation id).
-_BAD_REQUEST_MARKERS = ("[token2wav:bad_request]", "unexpected", "expecting", "must specify", "invalid_argument",
+_BAD_REQUEST_MARKERS = ("[token2wav:bad_request]", "unexpected", "expecting", "expects", "must specify", "invalid_argument",
                         "invalid argument")
 
 
