@@ -22,6 +22,18 @@ class Settings(BaseSettings):
     """Our own model id; the OpenAI names (tts-1, tts-1-hd, gpt-4o-mini-tts, ...) are aliases of it."""
     max_body_bytes: int = 1_048_576
     """Largest JSON body accepted on /v1/audio/speech (413 beyond it)."""
+    max_upload_bytes: int = 12_582_912
+    """Largest multipart body on /v1/audio/voices and /v1/audio/voice_consents (10 MiB audio + form)."""
+    model_aliases: list[str] = [
+        "tts-1",
+        "tts-1-hd",
+        "tts-1-1106",
+        "tts-1-hd-1106",
+        "gpt-4o-mini-tts",
+        "gpt-4o-mini-tts-2025-03-20",
+        "gpt-4o-mini-tts-2025-12-15",
+    ]
+    """OpenAI model names accepted as aliases of ``served_model`` (JSON list in the environment)."""
 
     # --- speech-token LLM server (trtllm-serve in production, vLLM elsewhere) ---
     llm_url: str = "http://127.0.0.1:8100/v1"

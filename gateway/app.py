@@ -1,0 +1,152 @@
+"""The OpenAI-compatible HTTP API.
+
+``create_app(settings, synthesizer)`` builds the FastAPI app around any ``Synthesizer`` (tests pass
+doubles); ``gateway.app:app`` is the production app for uvicorn, built on first access from
+``get_settings()`` with the real synthesizer (see ``build_synthesizer``).
+
+``POST /v1/audio/speech`` reads and checks the body itself (Content-Type, JSON, object, schema,
+model) instead of letting FastAPI parse it, so every failure is the OpenAI envelope with the right
+``param``, and everything is validated before the 200 is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from gateway.audio import make_encoder
+from gateway.errors import InvalidRequestError, ModelNotFoundError, install_error_handlers, request_id_of
+from gateway.middleware import RequestContextMiddleware, new_request_id
+from gateway.schemas import ModelList, ModelObject, parse_speech_request
+from gateway.settings import Settings, get_settings
+from gateway.streaming import SpeechStreamResponse
+from gateway.synth import SAMPLE_RATE, SpeechJob, Synthesizer
+
+log = logging.getLogger("gateway.app")
+
+#: ``created`` of every model object (a fixed date: the ids are aliases, not trained artifacts).
+MODELS_CREATED = 1_735_689_600
+MODELS_OWNED_BY = "system"
+#: Paths whose bodies are file uploads and get ``settings.max_upload_bytes`` instead of ``max_body_bytes``.
+UPLOAD_PATH_PREFIXES = ("/v1/audio/voices", "/v1/audio/voice_consents")
+
+
+def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
+    """The API over ``synthesizer``.
+
+    If the synthesizer has ``async start()`` / ``async aclose()`` they run at app startup/shutdown.
+    """
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        start = getattr(synthesizer, "start", None)
+        if start is not None:
+            await start()
+        try:
+            yield
+        finally:
+            aclose = getattr(synthesizer, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    app = FastAPI(title="OpenAI-compatible speech API", version="0.1.0", lifespan=lifespan, redoc_url=None)
+    app.state.settings = settings
+    app.state.synthesizer = synthesizer
+    install_error_handlers(app)
+
+    def body_limit(path: str) -> int:
+        return settings.max_upload_bytes if path.startswith(UPLOAD_PATH_PREFIXES) else settings.max_body_bytes
+
+    app.add_middleware(RequestContextMiddleware, body_limit=body_limit)
+
+    model_ids = [settings.served_model, *(a for a in settings.model_aliases if a != settings.served_model)]
+
+    def model_object(model_id: str) -> ModelObject:
+        return ModelObject(id=model_id, created=MODELS_CREATED, owned_by=MODELS_OWNED_BY)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_object(model_id) for model_id in model_ids])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelObject:
+        if model_id not in model_ids:
+            raise ModelNotFoundError(model_id)
+        return model_object(model_id)
+
+    @app.post("/v1/audio/speech", response_model=None)
+    async def create_speech(request: Request) -> SpeechStreamResponse | JSONResponse:
+        body = await read_json_object(request)
+        speech = parse_speech_request(body)
+        if speech.model not in model_ids:
+            raise ModelNotFoundError(speech.model)
+        request_id = request_id_of(request) or new_request_id()
+        job = SpeechJob(
+            request_id=request_id,
+            model=speech.model,
+            input=speech.input,
+            voice=speech.voice_for_job(),
+            instructions=speech.instructions,
+            speed=speech.speed,
+            response_format=speech.response_format,
+            stream_format=speech.stream_format,
+        )
+        prepared = await synthesizer.prepare(job)
+        encoder = make_encoder(speech.response_format, sample_rate=SAMPLE_RATE)
+        return SpeechStreamResponse(prepared, encoder, sse=speech.stream_format == "sse", request_id=request_id)
+
+    return app
+
+
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 saying exactly what is wrong with it."""
+    content_type = request.headers.get("content-type", "")
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise InvalidRequestError(
+            f"Invalid Content-Type {content_type!r}: the body must be JSON sent as 'application/json'.",
+            code="invalid_content_type",
+        )
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # JSONDecodeError, bad UTF-8, absurd numbers or nesting
+        raise InvalidRequestError(
+            "We could not parse the JSON body of your request. The API expects a JSON object.",
+            code="invalid_json",
+        ) from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def build_synthesizer(settings: Settings) -> Synthesizer:
+    """The production synthesizer (LLM + token2wav pipeline).
+
+    ===== HOOK (lead, gateway/pipeline.py): construct and return the real SpeechPipeline here. =====
+    """
+    raise NotImplementedError("build_synthesizer: wire gateway.pipeline.SpeechPipeline here")
+
+
+_app: FastAPI | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """``gateway.app:app`` for uvicorn, built lazily so importing this module needs no backends."""
+    global _app
+    if name == "app":
+        if _app is None:
+            settings = get_settings()
+            _app = create_app(settings, build_synthesizer(settings))
+        return _app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
