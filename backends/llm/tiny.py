@@ -84,15 +84,19 @@ def build_tiny_tokenizer() -> Tokenizer:
     )
     tokenizer.decoder = decoders.ByteLevel()
 
-    speech_ids = range(vocab.SPEECH_TOKEN_BASE_ID, vocab.SPEECH_TOKEN_BASE_ID + vocab.SPEECH_TOKEN_COUNT)
+    # Three batches in id order (one call each: adding thousands one by one rebuilds the matcher each time).
+    # The s-tokens are ordinary added tokens (they survive skip_special_tokens); the rest are special.
+    specials = [AddedToken(t, special=True, normalized=False) for t in vocab.SPECIAL_TOKENS]
+    speech = [
+        AddedToken(vocab.speech_token_text(s), special=False, normalized=False) for s in range(vocab.SPEECH_TOKEN_COUNT)
+    ]
+    tail = [AddedToken(t, special=True, normalized=False) for t in vocab.TAIL_TOKENS]
+    tokenizer.add_special_tokens(specials)
+    tokenizer.add_tokens(speech)
+    tokenizer.add_special_tokens(tail)
     for token_id, text in vocab.all_added_tokens():
-        # The s-tokens are ordinary added tokens (they survive skip_special_tokens); the rest are special.
-        token = AddedToken(text, special=token_id not in speech_ids, normalized=False)
-        if token_id in speech_ids:
-            got = tokenizer.add_tokens([token])
-        else:
-            got = tokenizer.add_special_tokens([token])
-        assert got == 1 and tokenizer.token_to_id(text) == token_id, (text, token_id)
+        if tokenizer.token_to_id(text) != token_id:
+            raise AssertionError(f"{text!r} got id {tokenizer.token_to_id(text)}, expected {token_id}")
     return tokenizer
 
 
@@ -124,19 +128,20 @@ def _rms_norm(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def _eos_probability(anchor_weight: float, hidden: np.ndarray, speech_logits: np.ndarray) -> float:
-    """Mean probability of drawing eos1 under temperature 0.8 / top_k 50 / top_p 0.95."""
+def _eos_probability(anchor_weight: float, hidden: np.ndarray, top_speech_logits: np.ndarray) -> float:
+    """Mean probability of drawing eos1 under temperature 0.8 / top_k 50 / top_p 0.95, given each
+    hidden state's 50 best speech-token logits (only those can compete with eos inside top_k 50)."""
     eos_logits = hidden[:, 0:1] * anchor_weight
-    logits = np.concatenate([speech_logits, eos_logits], axis=1) / 0.8
-    top = np.sort(logits, axis=1)[:, ::-1][:, :50]
+    logits = np.concatenate([top_speech_logits, eos_logits], axis=1) / 0.8
+    order = np.argsort(-logits, axis=1)[:, :50]
+    top = np.take_along_axis(logits, order, axis=1)
     probs = np.exp(top - top[:, :1])
     probs /= probs.sum(axis=1, keepdims=True)
     # top_p: keep the smallest prefix whose mass reaches 0.95
     keep = np.cumsum(probs, axis=1) - probs < 0.95
     kept = np.where(keep, probs, 0.0)
     kept /= kept.sum(axis=1, keepdims=True)
-    eos_col = logits[:, -1:] / 1.0
-    is_eos = np.isclose(top, eos_col) & keep
+    is_eos = order == logits.shape[1] - 1
     return float((kept * is_eos).sum(axis=1).mean())
 
 
@@ -158,10 +163,11 @@ def _rigged_weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
     sample_rows = rng.integers(vocab.SPEECH_TOKEN_BASE_ID, vocab.SPEECH_TOKEN_BASE_ID + n_speech, size=256)
     hidden = _rms_norm(embed[sample_rows].astype(np.float64))
     speech_logits = hidden @ lm_head[speech].T.astype(np.float64)
+    top_speech_logits = -np.partition(-speech_logits, 49, axis=1)[:, :50]
     low, high = 0.0, 3.0
     for _ in range(40):
         mid = (low + high) / 2
-        if _eos_probability(mid, hidden, speech_logits) < EOS_PROBABILITY:
+        if _eos_probability(mid, hidden, top_speech_logits) < EOS_PROBABILITY:
             low = mid
         else:
             high = mid

@@ -165,13 +165,17 @@ class SpeechTokenLLM:
                 if response.status_code != 200:
                     raw = await response.aread()
                     raise _status_error(response.status_code, raw.decode("utf-8", "replace"))
+                finished = False  # [DONE] or a finish_reason seen: the server ended the stream on purpose
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue  # blank separators, SSE comments, keep-alives
                     data = line[len("data:") :].strip()
                     if data == "[DONE]":
+                        finished = True
                         break
-                    for vocab_id in _ids_of_event(decoder, data):
+                    vocab_ids, chunk_finished = _ids_of_event(decoder, data)
+                    finished = finished or chunk_finished
+                    for vocab_id in vocab_ids:
                         if vocab_id in _EOS_IDS:
                             if emitted < prompt.min_tokens:
                                 self.early_eos_count += 1
@@ -186,12 +190,15 @@ class SpeechTokenLLM:
                         emitted += 1
                         if emitted >= prompt.max_tokens:
                             return
+                if not finished:
+                    raise LLMUnavailable(f"LLM stream ended without finishing after {emitted} tokens")
         except httpx.HTTPError as exc:
             raise _transport_error(exc) from exc
 
 
-def _ids_of_event(decoder: ChunkDecoder, data: str) -> list[int]:
-    """Vocabulary ids carried by one SSE ``data:`` payload; an error event raises."""
+def _ids_of_event(decoder: ChunkDecoder, data: str) -> tuple[list[int], bool]:
+    """Vocabulary ids carried by one SSE ``data:`` payload, and whether it carries a finish_reason;
+    an error event raises."""
     try:
         event = json.loads(data)
     except json.JSONDecodeError as exc:
@@ -207,9 +214,11 @@ def _ids_of_event(decoder: ChunkDecoder, data: str) -> list[int]:
             raise LLMBadRequest(f"LLM server rejected the request mid-stream: {message}", status_code=status)
         raise LLMServerError(f"LLM server failed mid-stream: {message}", status_code=status)
     ids: list[int] = []
+    finished = False
     for choice in event.get("choices") or []:
         ids.extend(decoder.feed(choice))
-    return ids
+        finished = finished or choice.get("finish_reason") is not None
+    return ids, finished
 
 
 def _status_error(status: int, body: str) -> LLMError:
