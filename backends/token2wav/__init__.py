@@ -1,0 +1,8 @@
+"""Step-Audio2 DiT token2wav: flow (tokens -> mel) + HiFT (mel -> 24 kHz audio), streaming engine.
+
+Public entry points: ``backends.token2wav.engine.Token2WavEngine`` (load / prepare_voice /
+start_stream / feed / synthesize), ``backends.token2wav.tiny.write_token2wav_dir`` (random test
+weights in the published file formats) and ``python -m backends.token2wav`` (offline CLI).
+Submodules are imported lazily so that light users (e.g. the Triton adapter's config parsing)
+do not pay for torch at import time.
+"""
