@@ -66,6 +66,8 @@ TINY_HIFT_CONFIG: dict[str, Any] = {
 }
 
 CHECKPOINT_PREFIX = "generator."
+# Sub-modules that load_hift keeps in float32 whatever the requested dtype (see load_hift).
+FLOAT32_CHILDREN = ("f0_predictor", "m_source")
 
 
 def _same_padding(kernel_size: int, dilation: int = 1) -> int:
@@ -263,6 +265,11 @@ class HiFTGenerator(nn.Module):
         self.conv_post = weight_norm(nn.Conv1d(last_channels, spec_channels, 7, padding=3))
         self.f0_predictor = F0Predictor(in_channels, f0_predictor_channels)
 
+    @property
+    def conv_dtype(self) -> torch.dtype:
+        """The dtype the convolutions run in (biases are never parametrized, so this is always a leaf)."""
+        return self.conv_pre.bias.dtype
+
     # ---- spectral helpers (always float32) ----
 
     def _window(self, device: torch.device) -> Tensor:
@@ -289,13 +296,13 @@ class HiFTGenerator(nn.Module):
 
     def excitation(self, speech_feat: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """mel [B, C, T] -> NSF excitation [B, 1, T*samples_per_frame], float32."""
-        f0 = self.f0_predictor(speech_feat)  # [B, T]
+        f0 = self.f0_predictor(speech_feat.to(self.f0_predictor.classifier.weight.dtype))  # [B, T]
         f0_samples = f0.float().repeat_interleave(self.samples_per_frame, dim=1).unsqueeze(-1)
         return self.m_source(f0_samples, generator).transpose(1, 2)
 
     def decode(self, speech_feat: Tensor, source: Tensor) -> Tensor:
         """mel [B, C, T] + excitation [B, 1, L] -> waveform [B, L] float32."""
-        dtype = self.conv_pre.bias.dtype  # the convolutions' dtype (biases are never parametrized)
+        dtype = self.conv_dtype
         source_spec = self._source_spectrum(source).to(dtype)
         x = self.conv_pre(speech_feat.to(dtype))
         for i in range(self.num_upsamples):
@@ -371,7 +378,14 @@ def load_hift(
     model.load_state_dict({k: v.float() for k, v in _strip_prefix(state).items()}, strict=True)
     if fold_weight_norm:
         model.fold_weight_norm()
-    return model.to(device=device, dtype=dtype).eval()
+    model.to(device=device)
+    # F0 sets the pitch of every harmonic and its error accumulates in the phase: a bf16 F0 (8-bit
+    # mantissa, ~0.5 Hz steps at 150 Hz) audibly detunes the excitation. The predictor is a few % of
+    # the FLOPs (it runs at frame rate), so it stays float32, as does the source module's tiny linear.
+    for name, child in model.named_children():
+        if name not in FLOAT32_CHILDREN:
+            child.to(dtype=dtype)
+    return model.eval()
 
 
 def to_old_weight_norm_keys(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -392,27 +406,18 @@ def write_random_hift(
 ) -> dict[str, Any]:
     """Write a random-weight hift.pt in the published layout; returns the hyperparameters used.
 
-    Weights are torch's default init (deterministic in `seed`) except: convs in the generator path
-    use N(0, 0.01) as upstream's init, and the F0 head's bias is set to 150 Hz so that most frames
-    are voiced and the harmonic branch is exercised (with all-random weights F0 would sit below the
-    voiced threshold and the excitation would be pure noise).
+    Weights are torch's default init, deterministic in `seed` (upstream's N(0, 0.01) init_weights is a
+    no-op on parametrized weights, so this is also what the reference builds), except the F0 head:
+    weights x1500 and bias 100 Hz, so F0 varies and most frames are voiced (with default weights F0
+    would sit below the voiced threshold and the harmonic branch would never run).
     """
     used = {**DEFAULT_HIFT_CONFIG, **(dict(config) if config else {})}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = HiFTGenerator(**used)
         with torch.no_grad():
-            for name, module in model.named_modules():
-                if name.startswith(("ups", "conv_post", "resblocks", "source_resblocks")) and isinstance(
-                    module, (nn.Conv1d, nn.ConvTranspose1d)
-                ):
-                    if parametrize.is_parametrized(module, "weight"):
-                        module.parametrizations.weight.original1.normal_(0.0, 0.01)
-                        # weight_norm's g starts as ||v||; keep that so the effective weight is v.
-                        v = module.parametrizations.weight.original1
-                        dims = [d for d in range(v.dim()) if d != 0]
-                        module.parametrizations.weight.original0.copy_(v.norm(dim=dims, keepdim=True))
-            model.f0_predictor.classifier.bias.fill_(150.0)
+            model.f0_predictor.classifier.weight.mul_(1500.0)
+            model.f0_predictor.classifier.bias.fill_(100.0)
     state = model.state_dict()
     if old_weight_norm:
         state = to_old_weight_norm_keys(state)
