@@ -41,12 +41,13 @@ OPUS_BIT_RATE = 48_000
 
 def float_to_int16(pcm: np.ndarray) -> np.ndarray:
     """float32 [-1, 1] → int16, clipping overs (the vocoder may overshoot slightly)."""
-    return np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2")
+    return np.round(_as_mono_float32(pcm) * 32767.0).astype("<i2")
 
 
 def _as_mono_float32(pcm: np.ndarray) -> np.ndarray:
+    """Flat float32 in [-1, 1]; a NaN from a misbehaving model becomes silence, not codec garbage."""
     samples = np.asarray(pcm, dtype=np.float32).reshape(-1)
-    return np.clip(samples, -1.0, 1.0)
+    return np.clip(np.nan_to_num(samples, nan=0.0, posinf=1.0, neginf=-1.0), -1.0, 1.0)
 
 
 class AudioEncoder(ABC):
@@ -74,7 +75,7 @@ class PcmEncoder(AudioEncoder):
     content_type = CONTENT_TYPES["pcm"]
 
     def encode(self, pcm: np.ndarray) -> bytes:
-        return float_to_int16(_as_mono_float32(pcm)).tobytes()
+        return float_to_int16(pcm).tobytes()
 
     def flush(self) -> bytes:
         return b""
@@ -114,7 +115,7 @@ class WavEncoder(AudioEncoder):
         return self.header()
 
     def encode(self, pcm: np.ndarray) -> bytes:
-        return self._take_header() + float_to_int16(_as_mono_float32(pcm)).tobytes()
+        return self._take_header() + float_to_int16(pcm).tobytes()
 
     def flush(self) -> bytes:
         return self._take_header()  # an empty response is still a valid (empty) WAV file

@@ -62,6 +62,12 @@ def _invalid_type(field: str, expected: str, value: Any) -> PydanticCustomError:
 def _require_string(field: str, value: Any) -> str:
     if not isinstance(value, str):
         raise _invalid_type(field, "a string", value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape such as "\\ud800" in the JSON
+        raise PydanticCustomError(
+            "invalid_value", "'{field}' contains invalid Unicode (an unpaired surrogate).", {"field": field}
+        ) from None
     return value
 
 

@@ -547,6 +547,12 @@ def test_malformed_bodies_are_400_envelopes(server: Server, name: str, content: 
     assert server.speech_requests() == before + 1
 
 
+def test_unpaired_surrogate_in_input_is_400(server: Server) -> None:
+    content = b'{"model": "tts-1", "voice": "alloy", "input": "bad \\ud800 text"}'
+    response = httpx.post(server.api + "/audio/speech", content=content, headers={"content-type": "application/json"})
+    assert_envelope(response, 400, param="input", code="invalid_value")
+
+
 def test_curl_bad_input_is_400_envelope(server: Server) -> None:
     result = subprocess.run(
         ["curl", "-sS", "-i", "-H", "Content-Type: application/json", "--data-binary",
