@@ -174,8 +174,11 @@ class PreLookaheadLayer(nn.Module):
         h = F.leaky_relu(self.conv1(x.transpose(1, 2)))
         if cache is None:
             cache = h.new_zeros(h.shape[0], h.shape[1], 2)
+        h = torch.cat([cache, h], dim=2)
+        # Taken after the concatenation: the reference slices h alone, which breaks on 1-token chunks
+        # (a 1-frame cache); identical whenever a chunk has 2 or more tokens.
         new_cache = h[..., -2:]
-        h = self.conv2(torch.cat([cache, h], dim=2))
+        h = self.conv2(h)
         return h.transpose(1, 2) + x[:, : -self.pre_lookahead_len], new_cache
 
 

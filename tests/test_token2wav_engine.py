@@ -1,0 +1,295 @@
+"""Token2WavEngine at the tiny config on CPU: lengths, flush, independence, validation, long streams."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from backends.token2wav.__main__ import stream_schedule
+from backends.token2wav.engine import FrameNoise, Token2WavEngine
+from backends.token2wav.tiny import write_token2wav_dir
+
+SAMPLES_PER_TOKEN = 960
+HELD_BACK = 3840
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    # 2 shared cores: intra-op threads fighting other processes make tiny models 10x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_token2wav_dir(tmp_path_factory.mktemp("t2w") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, single_thread) -> Token2WavEngine:
+    return Token2WavEngine.load(model_dir)
+
+
+def _voice_inputs(seed: int, n_tokens: int = 30):
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, 6561, n_tokens),
+            (rng.standard_normal((2 * n_tokens, 80)) - 5).astype(np.float32),
+            rng.standard_normal(192).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def voice(engine):
+    return engine.prepare_voice(*_voice_inputs(0))
+
+
+@pytest.fixture(scope="module")
+def other_voice(engine):
+    return engine.prepare_voice(*_voice_inputs(1, n_tokens=24), lookahead_pad="repeat")
+
+
+def _tokens(n: int, seed: int = 7) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 6561, n)]
+
+
+def _run_stream(engine, voice, tokens, sizes, seed=0) -> list[np.ndarray]:
+    state = engine.start_stream(voice, seed=seed)
+    outs, at = [], 0
+    for i, size in enumerate(sizes):
+        outs.append(engine.feed(state, tokens[at:at + size], final=i == len(sizes) - 1))
+        at += size
+    assert at == len(tokens)
+    return outs
+
+
+def test_first_chunk_waits_for_15_plus_3_tokens(engine, voice):
+    state = engine.start_stream(voice)
+    tokens = _tokens(40)
+    assert engine.feed(state, tokens[:17], final=False).size == 0
+    first = engine.feed(state, tokens[17:18], final=False)
+    # 15 tokens = 30 mel frames, minus the 8 frames held back for the cross-fade: 0.44 s
+    assert first.dtype == np.float32 and first.shape == (15 * SAMPLES_PER_TOKEN - HELD_BACK,)
+    assert np.abs(first).max() > 0
+    # after the first chunk, any new token beyond the lookahead is synthesised
+    assert engine.feed(state, tokens[18:19], final=False).shape == (SAMPLES_PER_TOKEN,)
+    rest = engine.feed(state, tokens[19:], final=True)
+    total = first.size + SAMPLES_PER_TOKEN + rest.size
+    assert total == 40 * SAMPLES_PER_TOKEN
+
+
+@pytest.mark.parametrize("sizes", [[18, 25, 50, 7], [5, 5, 5, 5, 80], [100], [3], [20, 1, 1, 1, 0, 77]])
+def test_stream_length_is_exactly_960_per_token(engine, voice, sizes):
+    tokens = _tokens(sum(sizes))
+    outs = _run_stream(engine, voice, tokens, sizes)
+    assert sum(o.size for o in outs) == len(tokens) * SAMPLES_PER_TOKEN
+    assert all(np.isfinite(o).all() for o in outs)
+
+
+def test_final_flush_with_no_new_tokens_returns_the_held_back_tail(engine, voice):
+    state = engine.start_stream(voice)
+    tokens = _tokens(30)
+    first = engine.feed(state, tokens, final=False)
+    assert first.size == 27 * SAMPLES_PER_TOKEN - HELD_BACK
+    tail = engine.feed(state, [], final=True)   # 3 lookahead tokens + the held-back samples
+    assert tail.size == 3 * SAMPLES_PER_TOKEN + HELD_BACK
+    assert state.flow_cache is None and state.pending == []   # state released on final
+    with pytest.raises(RuntimeError, match="already finished"):
+        engine.feed(state, [1], final=False)
+
+
+def test_empty_stream_flushes_to_nothing(engine, voice):
+    state = engine.start_stream(voice)
+    assert engine.feed(state, [], final=True).size == 0
+
+
+def test_interleaved_streams_equal_their_solo_runs(engine, voice, other_voice):
+    tokens_a, tokens_b = _tokens(90, seed=1), _tokens(70, seed=2)
+    sizes_a, sizes_b = [18, 25, 47], [20, 30, 20]
+    solo_a = _run_stream(engine, voice, tokens_a, sizes_a, seed=11)
+    solo_b = _run_stream(engine, other_voice, tokens_b, sizes_b, seed=22)
+
+    state_a = engine.start_stream(voice, seed=11)
+    state_b = engine.start_stream(other_voice, seed=22)
+    mixed_a, mixed_b, at_a, at_b = [], [], 0, 0
+    for i in range(3):
+        mixed_b.append(engine.feed(state_b, tokens_b[at_b:at_b + sizes_b[i]], final=i == 2))
+        mixed_a.append(engine.feed(state_a, tokens_a[at_a:at_a + sizes_a[i]], final=i == 2))
+        at_a += sizes_a[i]
+        at_b += sizes_b[i]
+    for solo, mixed in ((solo_a, mixed_a), (solo_b, mixed_b)):
+        np.testing.assert_array_equal(np.concatenate(solo), np.concatenate(mixed))
+    # and the two streams really differ (different voice and seed)
+    assert not np.allclose(np.concatenate(solo_a)[:20000], np.concatenate(solo_b)[:20000])
+
+
+def test_seed_changes_output_and_same_seed_reproduces(engine, voice):
+    tokens = _tokens(30)
+    a = np.concatenate(_run_stream(engine, voice, tokens, [30], seed=1))
+    b = np.concatenate(_run_stream(engine, voice, tokens, [30], seed=1))
+    c = np.concatenate(_run_stream(engine, voice, tokens, [30], seed=2))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_voice_is_not_modified_by_streams(engine, voice):
+    before = voice.prompt_cache.estimator_att.clone()
+    _run_stream(engine, voice, _tokens(60), [18, 42])
+    assert torch.equal(before, voice.prompt_cache.estimator_att)
+
+
+@pytest.mark.parametrize("bad", [[1, 6561], [-1], [2.5, 3.0], [[1, 2], [3, 4]]])
+def test_invalid_token_ids_are_rejected(engine, voice, bad):
+    state = engine.start_stream(voice)
+    with pytest.raises(ValueError):
+        engine.feed(state, bad, final=False)
+    with pytest.raises(ValueError):
+        engine.synthesize(voice, bad)
+
+
+def test_invalid_id_message_names_the_position_and_range(engine, voice):
+    with pytest.raises(ValueError, match=r"tokens\[2\] = 7000 is outside the speech token range 0\.\.6560"):
+        engine.feed(engine.start_stream(voice), np.array([1, 2, 7000]), final=False)
+
+
+def test_prepare_voice_validates_inputs(engine):
+    tokens, mel, spk = _voice_inputs(3)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        engine.prepare_voice(np.append(tokens, 6561), mel, spk)
+    with pytest.raises(ValueError, match="frames"):
+        engine.prepare_voice(tokens, mel[:40], spk)
+    with pytest.raises(ValueError, match="speaker_embedding"):
+        engine.prepare_voice(tokens, mel, spk[:100])
+    with pytest.raises(ValueError, match="lookahead_pad"):
+        engine.prepare_voice(tokens, mel, spk, lookahead_pad="zeros")
+    with pytest.raises(ValueError, match="empty"):
+        engine.prepare_voice([], mel[:0], spk)
+    # torch inputs and a 2-frame-short mel (padded as upstream) are accepted
+    voice = engine.prepare_voice(torch.from_numpy(tokens), torch.from_numpy(mel[:-2]), torch.from_numpy(spk))
+    assert voice.prompt_frames == 2 * len(tokens)
+
+
+def test_pad_choice_matters_for_streaming(engine):
+    inputs = _voice_inputs(4)
+    silence = engine.prepare_voice(*inputs, lookahead_pad="silence")
+    repeat = engine.prepare_voice(*inputs, lookahead_pad="repeat")
+    assert silence.lookahead_pad == "silence" and repeat.lookahead_pad == "repeat"
+    tokens = _tokens(30)
+    a = np.concatenate(_run_stream(engine, silence, tokens, [30]))
+    b = np.concatenate(_run_stream(engine, repeat, tokens, [30]))
+    assert not np.array_equal(a, b)
+
+
+def test_offline_synthesis_length_and_closeness_to_streaming(engine, voice):
+    tokens = _tokens(300)
+    offline = engine.synthesize(voice, tokens, seed=5)
+    assert offline.shape == (300 * SAMPLES_PER_TOKEN,)
+
+    # Compare mels (HiFT's NSF noise differs between one call and many, by design): streaming is
+    # chunk-causal, offline sees everything, so they differ most in the first chunk. Measured at this
+    # config: 1.8 % relative RMS overall, 6.4 % on the first chunk, <1 % from the 4th chunk on.
+    mels = []
+    original = engine._vocode
+
+    def record(state, mel, final):
+        mels.append(mel.clone())
+        return original(state, mel, final)
+
+    engine._vocode = record
+    try:
+        streamed = np.concatenate(_run_stream(engine, voice, tokens, stream_schedule(300), seed=5))
+    finally:
+        engine._vocode = original
+    assert streamed.shape == offline.shape
+    stream_mel = torch.cat(mels, dim=2)
+    noise = torch.cat([voice.prompt_noise, FrameNoise(5).take(600)], dim=2)
+    offline_mel = engine.flow.inference(torch.tensor([tokens]), voice.prompt_tokens, voice.prompt_mel,
+                                        voice.speaker_embedding, engine._fixed_noise(noise), engine.n_timesteps)
+    relative = ((stream_mel - offline_mel).pow(2).mean().sqrt() / offline_mel.std()).item()
+    assert relative < 0.05
+    # with different noise the mels are far apart: the comparison above is meaningful
+    other = torch.cat([voice.prompt_noise, FrameNoise(6).take(600)], dim=2)
+    other_mel = engine.flow.inference(torch.tensor([tokens]), voice.prompt_tokens, voice.prompt_mel,
+                                      voice.speaker_embedding, engine._fixed_noise(other), engine.n_timesteps)
+    assert ((other_mel - offline_mel).pow(2).mean().sqrt() / offline_mel.std()).item() > 5 * relative
+
+
+def test_two_minute_stream_keeps_state_bounded(engine, voice):
+    """3000 tokens = 120 s of audio in 100-token chunks: caches stay at prompt + 100 frames (+ chunk)."""
+    state = engine.start_stream(voice, seed=9)
+    tokens = _tokens(3000, seed=3)
+    total, sizes_seen = 0, []
+    prompt_frames = voice.prompt_frames
+    total += engine.feed(state, tokens[:18], final=False).size
+    at = 18
+    while at < len(tokens) - 100:
+        total += engine.feed(state, tokens[at:at + 100], final=False).size
+        at += 100
+        sizes_seen.append(engine.state_nbytes(state))
+        assert state.flow_cache.estimator_att.shape[4] <= prompt_frames + 100
+        assert state.flow_cache.conformer_att.shape[3] <= prompt_frames + 100
+    tail = engine.feed(state, tokens[at:], final=True)
+    assert np.isfinite(tail).all()
+    total += tail.size
+    assert total == 3000 * SAMPLES_PER_TOKEN
+    assert max(sizes_seen[5:]) == min(sizes_seen[5:])  # steady state: memory no longer grows
+
+
+def test_state_nbytes_counts_the_stream_caches(engine, voice):
+    state = engine.start_stream(voice)
+    empty = engine.state_nbytes(state)
+    engine.feed(state, _tokens(40), final=False)
+    assert engine.state_nbytes(state) > empty + state.flow_cache.estimator_att.numel() * 4 - 1
+
+
+def test_bfloat16_engine_runs(model_dir, single_thread):
+    engine = Token2WavEngine.load(model_dir, dtype="bfloat16")
+    voice = engine.prepare_voice(*_voice_inputs(0))
+    outs = _run_stream(engine, voice, _tokens(40), [20, 20])
+    pcm = np.concatenate(outs)
+    assert pcm.dtype == np.float32 and pcm.size == 40 * SAMPLES_PER_TOKEN and np.isfinite(pcm).all()
+
+
+def test_load_rejects_incomplete_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="flow.pt"):
+        (tmp_path / "flow.yaml").write_text("flow: 1\n")
+        Token2WavEngine.load(tmp_path)
+
+
+def _check_wav(path: Path, n_tokens: int) -> None:
+    with wave.open(str(path)) as wav:
+        assert wav.getframerate() == 24000 and wav.getnchannels() == 1 and wav.getsampwidth() == 2
+        assert wav.getnframes() == n_tokens * SAMPLES_PER_TOKEN
+
+
+def test_cli_module_writes_a_24k_wav(model_dir, tmp_path):
+    out = tmp_path / "out.wav"
+    result = subprocess.run(
+        [sys.executable, "-m", "backends.token2wav", "--model-dir", str(model_dir),
+         "--tokens", ",".join(str(t) for t in _tokens(25)), "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert result.returncode == 0, result.stderr
+    _check_wav(out, 25)
+
+
+def test_cli_stream_mode_token_file_voice_file_and_bad_ids(model_dir, tmp_path, single_thread, capsys):
+    from backends.token2wav.__main__ import main
+
+    tokens_file = tmp_path / "tokens.txt"
+    tokens_file.write_text(" ".join(str(t) for t in _tokens(60)))
+    prompt_tokens, prompt_mel, spk = _voice_inputs(5)
+    np.savez(tmp_path / "voice.npz", prompt_tokens=prompt_tokens, prompt_mel=prompt_mel, speaker_embedding=spk,
+             lookahead_pad="repeat")
+    out = tmp_path / "stream.wav"
+    assert main(["--model-dir", str(model_dir), "--tokens", str(tokens_file), "--voice", str(tmp_path / "voice.npz"),
+                 "--out", str(out), "--stream"]) == 0
+    _check_wav(out, 60)
+    assert main(["--model-dir", str(model_dir), "--tokens", "1,9999", "--out", str(out)]) == 2
+    assert "outside the speech token range" in capsys.readouterr().err
