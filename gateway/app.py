@@ -20,10 +20,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from gateway.audio import make_encoder
+from gateway import sse
+from gateway.audio import CONTENT_TYPES, make_encoder
 from gateway.errors import InvalidRequestError, ModelNotFoundError, install_error_handlers, request_id_of
 from gateway.middleware import RequestContextMiddleware, new_request_id
-from gateway.schemas import ModelList, ModelObject, parse_speech_request
+from gateway.schemas import ModelList, ModelObject, SpeechRequest, parse_speech_request
 from gateway.settings import Settings, get_settings
 from gateway.streaming import SpeechStreamResponse
 from gateway.synth import SAMPLE_RATE, SpeechJob, Synthesizer
@@ -84,7 +85,7 @@ def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
             raise ModelNotFoundError(model_id)
         return model_object(model_id)
 
-    @app.post("/v1/audio/speech", response_model=None)
+    @app.post("/v1/audio/speech", response_model=None, openapi_extra=speech_openapi())
     async def create_speech(request: Request) -> SpeechStreamResponse | JSONResponse:
         body = await read_json_object(request)
         speech = parse_speech_request(body)
@@ -106,6 +107,28 @@ def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
         return SpeechStreamResponse(prepared, encoder, sse=speech.stream_format == "sse", request_id=request_id)
 
     return app
+
+
+def speech_openapi() -> dict[str, Any]:
+    """The speech body and responses for /docs (the endpoint parses its body itself, so FastAPI can't infer them)."""
+    schema = SpeechRequest.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(definitions[ref.rsplit("/", 1)[1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        return node
+
+    audio = {content_type: {"schema": {"type": "string", "format": "binary"}} for content_type in CONTENT_TYPES.values()}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}},
+        "responses": {"200": {"description": "Chunked audio, or SSE events", "content": {**audio, sse.CONTENT_TYPE: {}}}},
+    }
 
 
 async def read_json_object(request: Request) -> dict[str, Any]:

@@ -274,6 +274,13 @@ def test_unknown_route_and_wrong_method_are_envelopes(server: Server) -> None:
     assert response.headers["allow"] == "POST"
 
 
+def test_openapi_documents_the_speech_body(server: Server) -> None:
+    spec = httpx.get(server.url + "/openapi.json").json()
+    body = spec["paths"]["/v1/audio/speech"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"model", "input", "voice", "instructions", "response_format", "speed", "stream_format"} <= set(body["properties"])
+    assert set(body["required"]) == {"model", "input", "voice"}
+
+
 def test_request_ids_are_unique(server: Server) -> None:
     ids = {httpx.get(server.url + "/health").headers["x-request-id"] for _ in range(5)}
     assert len(ids) == 5
