@@ -123,7 +123,7 @@ def test_each_stream_noise_depends_only_on_its_own_generator(hift) -> None:
     torch.testing.assert_close(solo, again, rtol=0, atol=0)
     _, solo_source = hift.inference(mel, generator=_seeded(21))
     different, different_source = hift.inference(mel, generator=_seeded(23))
-    assert (solo_source - different_source).abs().max() > 1e-2
+    assert (solo_source - different_source).abs().max() > 1e-3
     assert (solo - different).abs().max() > 1e-6
 
 
