@@ -129,17 +129,14 @@ class CodecEncoder(AudioEncoder):
     sample_format: str
     """PyAV sample format the codec is fed: "fltp"/"flt" (float) or "s16"."""
     bit_rate: int | None = None
-    codec_rate: int | None = None
-    """Rate the codec runs at, if not the input rate."""
 
     def __init__(self, sample_rate: int) -> None:
         super().__init__(sample_rate)
-        self.codec_rate = self.codec_rate or sample_rate
         self.codec = av.CodecContext.create(self.codec_name, "w")
-        self.codec.sample_rate = self.codec_rate
+        self.codec.sample_rate = sample_rate
         self.codec.layout = "mono"
         self.codec.format = self.sample_format
-        self.codec.time_base = Fraction(1, self.codec_rate)
+        self.codec.time_base = Fraction(1, sample_rate)
         if self.bit_rate:
             self.codec.bit_rate = self.bit_rate
         self.configure(self.codec)
@@ -166,8 +163,8 @@ class CodecEncoder(AudioEncoder):
             frame = av.AudioFrame.from_ndarray(float_to_int16(samples).reshape(1, -1), format="s16", layout="mono")
         else:
             frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format=self.sample_format, layout="mono")
-        frame.sample_rate = self.codec_rate
-        frame.time_base = Fraction(1, self.codec_rate)
+        frame.sample_rate = self.sample_rate
+        frame.time_base = Fraction(1, self.sample_rate)
         frame.pts = self._samples_in
         self._samples_in += samples.shape[0]
         return frame
@@ -180,7 +177,7 @@ class CodecEncoder(AudioEncoder):
 
     def encode(self, pcm: np.ndarray) -> bytes:
         head = self._start()
-        samples = self._to_codec_rate(_as_mono_float32(pcm))
+        samples = _as_mono_float32(pcm)
         self._pending = np.concatenate([self._pending, samples]) if self._pending.size else samples
         packets: list[av.Packet] = []
         whole = (self._pending.shape[0] // self.frame_size) * self.frame_size
@@ -207,9 +204,6 @@ class CodecEncoder(AudioEncoder):
 
     def _accepts_short_last_frame(self) -> bool:
         return True
-
-    def _to_codec_rate(self, samples: np.ndarray) -> np.ndarray:
-        return samples
 
 
 class Mp3Encoder(CodecEncoder):
@@ -241,7 +235,7 @@ class AacEncoder(CodecEncoder):
     def adts_header(self, payload_size: int) -> bytes:
         frame_length = payload_size + 7
         profile = 1  # AAC-LC (object type 2) minus one
-        frequency_index = self.FREQUENCY_INDEX[self.codec_rate or self.sample_rate]
+        frequency_index = self.FREQUENCY_INDEX[self.sample_rate]
         channels = 1
         return bytes(
             [
@@ -366,7 +360,7 @@ class OpusEncoder(CodecEncoder):
             raise RuntimeError("libopus did not provide an OpusHead")
         self.opus_head = head
         self.pre_skip = struct.unpack_from("<H", head, 10)[0]
-        self.granule_per_sample = self.GRANULE_RATE // (self.codec_rate or sample_rate)
+        self.granule_per_sample = self.GRANULE_RATE // sample_rate
         self.granule = 0  # samples (48 kHz) decoded so far, pre-skip included (RFC 7845)
         self.input_samples = 0  # at the input rate, before padding to whole frames
         self.pager = OggPager(serial=int.from_bytes(np.random.default_rng().bytes(4), "little"))
