@@ -17,10 +17,12 @@ package modules for `stepaudio2`, `stepaudio2.flashcosyvoice` and `stepaudio2.fl
 (with the real `__path__`) and imports only the hifigan modules. The vocoder has no `.cuda()` call.
 
 Deterministic noise: the reference draws its NSF randomness from torch's global RNG, in this order per
-call: `torch.rand(B, H)` (start phases), `torch.randn_like(sines)` [B, L, H] (additive noise), then an
-unused `randn_like(uv)`. We seed the global RNG before each reference call; our implementation draws
-the same shapes in the same order from a `torch.Generator` seeded with the same value, so the noise is
-identical (both are the CPU Mersenne-Twister stream) and parity is compared with the noise ON.
+call: `torch.rand(B, H)` (start phases), `torch.randn_like(sines)` [B, L, H] (additive noise; `sines` is
+a transposed view, and torch samples non-contiguous tensors with a different loop), then an unused
+`randn_like(uv)`. We seed the global RNG before each reference call; our implementation, built with
+`reference_noise_layout=True`, draws the same shapes, strides and order from a `torch.Generator` seeded
+with the same value, so the noise is identical (both are the CPU Mersenne-Twister stream) and parity is
+compared with the noise ON. (Our default draws contiguously: same distribution, ~15x faster on CPU.)
 
 Weights: the reference's own init at TINY config (base 32 channels, F0 predictor 32 channels), except
 the F0 head: its weights are scaled by 1500 and its bias set to -40 Hz so F0 spans voiced and unvoiced
