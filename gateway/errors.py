@@ -30,7 +30,7 @@ class APIError(Exception):
     """An error the client should see, in OpenAI's shape.
 
     ``type`` defaults to ``invalid_request_error`` for 4xx and ``server_error`` for 5xx.
-    ``retry_after`` (seconds) becomes ``Retry-After``/``retry-after-ms``; give it for 429/503.
+    ``retry_after`` (seconds) becomes ``Retry-After``/``retry-after-ms``; 429/503 default to 1 s.
     """
 
     def __init__(
@@ -50,7 +50,8 @@ class APIError(Exception):
         self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
         self.code = code
         self.param = param
-        self.retry_after = retry_after
+        # Overload answers always say when to come back (the SDK honours it).
+        self.retry_after = retry_after if retry_after is not None or status not in (429, 503) else 1.0
         self.extra_headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:

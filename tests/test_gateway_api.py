@@ -610,3 +610,12 @@ def test_curl_30_mb_body_is_413(server: Server, tmp_path) -> None:
     )  # fmt: skip
     assert result.stdout == b"413"
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_error_retry_headers() -> None:
+    from gateway.errors import APIError, RateLimitedError
+
+    assert APIError(400, "bad").headers() == {"x-should-retry": "false"}
+    assert APIError(503, "down").headers() == {"retry-after": "1", "retry-after-ms": "1000"}
+    assert RateLimitedError("busy", retry_after=2.5).headers() == {"retry-after": "3", "retry-after-ms": "2500"}
+    assert APIError(503, "down").body()["error"]["type"] == "server_error"
