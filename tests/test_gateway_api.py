@@ -585,13 +585,9 @@ def test_30_mb_body_is_413_and_the_server_keeps_serving(server: Server, client: 
     assert len(ok.content) == 2 * TOTAL_SAMPLES
 
 
-def test_chunked_oversized_body_is_413_without_buffering_it(server: Server) -> None:
-    sent = 0
-
+def test_chunked_oversized_body_is_413(server: Server) -> None:
     def body() -> Iterator[bytes]:
-        nonlocal sent
         for _ in range(30):  # 30 MiB in 1 MiB chunks, no Content-Length
-            sent += 1
             yield b"x" * 1_048_576
 
     with httpx.Client(timeout=HANG_S) as http:
@@ -619,3 +615,33 @@ def test_error_retry_headers() -> None:
     assert APIError(503, "down").headers() == {"retry-after": "1", "retry-after-ms": "1000"}
     assert RateLimitedError("busy", retry_after=2.5).headers() == {"retry-after": "3", "retry-after-ms": "2500"}
     assert APIError(503, "down").body()["error"]["type"] == "server_error"
+
+
+async def test_body_limit_stops_reading_a_chunked_body_early() -> None:
+    """The middleware fails the read as soon as the count passes the limit: 2 of 30 chunks read."""
+    from starlette.responses import JSONResponse
+
+    from gateway.middleware import RequestContextMiddleware
+
+    consumed = 0
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        nonlocal consumed
+        consumed += 1
+        return {"type": "http.request", "body": b"x" * 1_048_576, "more_body": consumed < 30}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def buffering_app(scope, receive, send) -> None:
+        while (await receive())["more_body"]:
+            pass
+        await JSONResponse({"ok": True})(scope, receive, send)
+
+    middleware = RequestContextMiddleware(buffering_app, body_limit=lambda path: 1_048_576)
+    await middleware({"type": "http", "method": "POST", "path": "/v1/audio/speech", "headers": []}, receive, send)
+    assert consumed == 2
+    assert sent[0]["status"] == 413
+    assert any(name == b"x-request-id" for name, _ in sent[0]["headers"])
+    assert json.loads(sent[1]["body"])["error"]["code"] == "request_too_large"
