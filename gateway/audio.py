@@ -2,8 +2,10 @@
 
 ``make_encoder(fmt)`` returns an ``AudioEncoder``; ``encode(chunk)`` returns the bytes that are ready
 now and ``flush()`` the rest at the end. Concatenating every returned byte string gives one valid file.
-The first ``encode`` call already returns bytes (the container header, plus the first packets for
-any chunk longer than the codec's look-ahead), so the first audio leaves with the first chunk.
+The first ``encode`` call already returns bytes, so the first audio leaves with the first chunk:
+wav/flac/opus write their header at once; raw mp3 and ADTS aac have no header and return their first
+frames once the chunk covers the codec's look-ahead (measured: 1 728 samples = 72 ms for mp3, 2 304 =
+96 ms for aac; token2wav's first chunk is 0.44 s).
 
 The codecs (mp3, opus, aac, flac) are PyAV ``CodecContext``s used without a muxer: the few bytes of
 container framing are written here (ADTS headers, the FLAC stream header, Ogg pages), because FFmpeg's
