@@ -155,13 +155,13 @@ def _chunk(body: PeerCompletionRequest, token: int, finish_reason: str | None) -
 class TrtllmPeer:
     """Runs the peer with uvicorn in a background thread on an ephemeral port."""
 
-    def __init__(self, **knobs: Any) -> None:
+    def __init__(self, *, log_level: str = "warning", **knobs: Any) -> None:
         self.state = PeerState(**knobs)
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))
         self.port = int(self._socket.getsockname()[1])
-        config = uvicorn.Config(build_app(self.state), log_level="warning", lifespan="off")
+        config = uvicorn.Config(build_app(self.state), log_level=log_level, lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
