@@ -91,3 +91,22 @@ def test_startup_deadline_raises_and_cleans_up(tmp_path: Path, monkeypatch: pyte
         server.start()
     assert not server.running
     wait_dead([int(p) for p in pids_file.read_text().split()])
+
+
+def test_die_with_parent_stops_the_server_when_its_starting_thread_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    pids_file = tmp_path / "pids"
+    monkeypatch.setenv("PIDS_FILE", str(pids_file))
+    monkeypatch.setenv("READY", "1")
+    server = VLLMServer(tmp_path, python=fake_python(tmp_path), startup_timeout_s=60, die_with_parent=True)
+    starter = threading.Thread(target=server.start)
+    starter.start()
+    starter.join()
+    server_pid = int(pids_file.read_text().split()[0])
+    try:
+        wait_dead([server_pid])  # the parent-death signal reached the server itself
+    finally:
+        server.stop()  # and stop() still cleans up the rest of its group

@@ -69,6 +69,7 @@ class VLLMServer:
         log_path: str | Path | None = None,
         extra_args: list[str] | None = None,
         quiet: bool = True,
+        die_with_parent: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.served_model_name = served_model_name
@@ -82,6 +83,9 @@ class VLLMServer:
         self.extra_args = list(extra_args or [])
         self.quiet = quiet
         """Without a log_path: discard the server's output (True) or let it through to ours (False)."""
+        self.die_with_parent = die_with_parent
+        """Linux: SIGTERM the server when the *thread* that started it exits (PR_SET_PDEATHSIG is per
+        thread), so a killed test run leaves no vLLM behind. Only for starts from a long-lived thread."""
         self.startup_seconds: float | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._log_file = None
@@ -135,7 +139,7 @@ class VLLMServer:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         try:
             self._wait_ready(started)
@@ -212,7 +216,7 @@ def main() -> None:
 
     server = VLLMServer(
         args.model, served_model_name=args.served_model_name, port=args.port, host=args.host,
-        python=args.python, log_path=args.log, quiet=False,
+        python=args.python, log_path=args.log, quiet=False, die_with_parent=True,
     )  # fmt: skip
     stop_requested = False
 

@@ -58,6 +58,7 @@ def shared_vllm() -> VLLMInfo:
             model_dir,
             served_model_name=SERVED_MODEL_NAME,
             log_path=_workdir / "vllm.log",
+            die_with_parent=threading.current_thread() is threading.main_thread(),
             startup_timeout_s=float(os.environ.get("TTS_TEST_VLLM_STARTUP_S", "420")),
         )
         _server = server
