@@ -46,15 +46,16 @@ def randomize_flow_(flow: torch.nn.Module, seed: int) -> None:
     """Fill every parameter with scaled Gaussian noise (deterministic in seed).
 
     Default init zeroes the DiT's adaLN and output layers, which would make the estimator output
-    constant; random weights everywhere exercise every path. Matrices get std 0.5/sqrt(fan_in) so
-    activations stay O(1); LayerNorm weights sit around 1.
+    constant; random weights everywhere exercise every path. Matrices and conv kernels get std
+    0.5/sqrt(fan_in) so activations stay O(1) (and finite in float16); LayerNorm weights sit around 1.
     """
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in flow.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
             if param.dim() >= 2:
-                param.copy_(noise * (0.5 / param.shape[-1] ** 0.5))
+                fan_in = param[0].numel()   # in_features, or in_channels * kernel for convs
+                param.copy_(noise * (0.5 / fan_in ** 0.5))
             else:
                 is_norm_weight = name.endswith(("norm.weight", "norm_ff.weight", "norm_mha.weight", "out.1.weight",
                                                 "block.3.weight", "q_norm.weight", "k_norm.weight"))
