@@ -29,6 +29,15 @@ from gateway.llm.dialects import DIALECTS, ChunkDecoder, SamplingParams, dialect
 from gateway.llm.errors import LLMBadRequest, LLMError, LLMServerError, LLMTimeout, LLMUnavailable
 from gateway.llm.prompt import CosyVoicePromptBuilder, LLMPrompt
 
+__all__ = [
+    "SpeechTokenLLM",
+    "LLMError",
+    "LLMUnavailable",
+    "LLMBadRequest",
+    "LLMServerError",
+    "LLMTimeout",
+]
+
 log = logging.getLogger(__name__)
 
 _BODY_SNIPPET = 500
