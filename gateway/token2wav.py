@@ -171,10 +171,13 @@ class Token2WavStream:
         return self
 
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # Shielded: a cancelled task still gets its server state freed (the inner task finishes it).
+        await asyncio.shield(asyncio.ensure_future(self._leave()))
+
+    async def _leave(self) -> None:
         if not self._finished:
-            # Shielded: a cancelled task still gets its server state freed (the task finishes it).
-            await asyncio.shield(asyncio.ensure_future(self.abort()))
-        self._close_call()
+            await self.abort()
+        await self._end_call()
 
     async def send(self, tokens: Sequence[int] | np.ndarray, final: bool = False) -> np.ndarray:
         """Send one chunk; returns the float32 PCM (24 kHz) the server produced for it."""
@@ -237,7 +240,7 @@ class Token2WavStream:
                 log.debug("abort on stream %d failed: %s", self.correlation_id, exc)
         # Out of step (a cancelled send): cancelling the call cancels any in-flight request, which
         # frees its stream; the unary abort covers a stream idle on the server.
-        self._close_call()
+        await self._end_call()
         try:
             await self.client._infer(abort_inputs, self.correlation_id, end=True)
         except Token2WavError as exc:
@@ -250,10 +253,21 @@ class Token2WavStream:
                 return
             yield request
 
-    def _close_call(self) -> None:
-        """End our side of the gRPC stream and cancel the call (cancels a request still in flight)."""
-        if self._responses is None:
+    async def _end_call(self) -> None:
+        """Half-close our side of the gRPC stream and let the server end the call.
+
+        Cancelling instead would also work, but Triton 2.51 then holds the model for a while
+        (with hundreds of cancelled streams its shutdown stalls until the exit timeout).
+        """
+        responses, self._responses = self._responses, None
+        if responses is None:
             return
         self._requests.put_nowait(_CLOSE)
-        self._responses.cancel()
-        self._responses = None
+        if not self._dirty:
+            try:
+                await asyncio.wait_for(responses.__anext__(), self.client.timeout_s)
+            except StopAsyncIteration:
+                return
+            except Exception as exc:
+                log.debug("closing stream %d: %s", self.correlation_id, exc)
+        responses.cancel()  # a request is still in flight (or the server did not close): cancel it

@@ -10,6 +10,7 @@ so models import this project and its numpy<2.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import shutil
@@ -105,7 +106,8 @@ class TritonServer:
     ...     server.grpc_url   # "127.0.0.1:PORT" for tritonclient.grpc(.aio)
 
     Ports default to free ephemeral ones. ``env`` is added to the server's environment (models read
-    their parameter overrides from it). The log goes to ``log_path`` (``log_text()`` reads it).
+    their parameter overrides from it). The log goes to ``log_path`` (``log_text()`` reads it); without
+    ``work_dir`` a temporary one is made and removed by ``cleanup()`` (and on leaving the context).
     """
 
     def __init__(
@@ -182,6 +184,7 @@ class TritonServer:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: stop() can reach the python stubs too
         )
+        atexit.register(self.stop)  # a crashed test session or script must not leave a server behind
         try:
             self.wait_ready(self.startup_timeout_s)
         except BaseException:
@@ -201,15 +204,16 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self._process is None or self._process.poll() is not None:
                 code = None if self._process is None else self._process.returncode
-                raise TritonLaunchError(f"tritonserver exited (code {code}) during start-up:\n{self.log_tail()}")
+                raise TritonLaunchError(f"tritonserver exited (code {code}) during start-up:\n{self.log_errors()}")
             if self.is_ready():
                 return
             time.sleep(0.25)
-        raise TritonLaunchError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise TritonLaunchError(f"tritonserver not ready after {timeout_s:.0f} s:\n{self.log_errors()}\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM (graceful: models' finalize runs), then SIGKILL our process group if it hangs."""
         process, self._process = self._process, None
+        atexit.unregister(self.stop)
         if process is not None:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -232,6 +236,11 @@ class TritonServer:
         except FileNotFoundError:
             return ""
 
+    def log_errors(self, limit: int = 20) -> str:
+        """Error lines of the log (model load failures come long before the shutdown noise at the end)."""
+        errors = [line for line in self.log_text().splitlines() if line.startswith("E") or "error" in line.lower()]
+        return "\n".join(errors[:limit]) or self.log_tail()
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
@@ -245,4 +254,4 @@ class TritonServer:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        self.cleanup()
