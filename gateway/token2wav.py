@@ -105,7 +105,15 @@ class Token2WavClient:
         self.url = url
         self.model = model
         self.timeout_s = timeout_s
-        self._grpc = grpcclient.InferenceServerClient(url=url)
+        self._grpc_client: grpcclient.InferenceServerClient | None = None
+
+    @property
+    def _grpc(self) -> grpcclient.InferenceServerClient:
+        """Made on first use: a grpc.aio channel belongs to the event loop it was created in, and the
+        client object may be built before the server's loop runs (uvicorn imports the app first)."""
+        if self._grpc_client is None:
+            self._grpc_client = grpcclient.InferenceServerClient(url=self.url)
+        return self._grpc_client
 
     async def ready(self) -> bool:
         try:
@@ -122,7 +130,9 @@ class Token2WavClient:
         return Token2WavStream(self, voice, seed)
 
     async def aclose(self) -> None:
-        await self._grpc.close()
+        if self._grpc_client is not None:
+            await self._grpc_client.close()
+            self._grpc_client = None
 
     async def __aenter__(self) -> "Token2WavClient":
         return self
