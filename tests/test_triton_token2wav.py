@@ -7,6 +7,7 @@ streams, which the next one checks through the probe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 
@@ -164,6 +165,23 @@ async def test_cancelled_task_aborts_its_stream(client, no_leaks):
     with pytest.raises(asyncio.CancelledError):
         await task
     assert await client.live_sequences() == 0
+
+
+async def test_task_cancelled_during_a_send_frees_its_stream(client, no_leaks):
+    """Cancelled while a chunk is in flight: the gRPC call is cancelled and an abort follows."""
+    for attempt in range(3):  # the cancel lands before, during or after the server's work: all must end clean
+        stream = client.stream(random_voice(40 + attempt))
+
+        async def speak() -> None:
+            async with stream:
+                await stream.send(random_tokens(40, 18 + 20 * attempt))
+
+        task = asyncio.create_task(speak())
+        await asyncio.sleep(0.05 * attempt)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert await client.live_sequences() == 0
 
 
 async def test_abandoned_stream_is_reaped(client, no_leaks):

@@ -47,15 +47,19 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self.service.close()
 
+    def _cancelled(self, cid: int) -> None:
+        if self.service.cancel(cid):
+            pb_utils.Logger.log_info(f"sequence {cid}: the client cancelled a request; stream freed")
+
     def _respond(self, request) -> "pb_utils.InferenceResponse":
         cid = int(_input(request, "CORRID").reshape(-1)[0])
         try:
             if request.is_cancelled():
-                self.service.cancel(cid)
-                return _error("cancelled", f"request of sequence {cid} was cancelled")
+                self._cancelled(cid)
+                return _error("cancelled", f"[token2wav:cancelled] request of sequence {cid} was cancelled")
             result = self.service.handle(_decode(request, cid))
             if request.is_cancelled():  # the answer is discarded: free the stream now
-                self.service.cancel(cid)
+                self._cancelled(cid)
         except Token2WavServiceError as exc:
             return _error(exc.kind, str(exc))
         except Exception as exc:  # keep the server healthy whatever happens
