@@ -139,3 +139,20 @@ def test_low_precision_runs_finite_and_close_to_float32(checkpoints, hift, dtype
     torch.testing.assert_close(source, reference_source, rtol=0, atol=1e-6)
     relative_rms = ((wav - reference).pow(2).mean() / reference.pow(2).mean()).sqrt().item()
     assert relative_rms < 0.05
+
+
+def test_overlap_add_istft_equals_torch_istft(hift) -> None:
+    """Our graph-capturable iSTFT is torch.istft's arithmetic (center=True, periodic Hann window)."""
+    generator = _seeded(2)
+    spec = torch.polar(torch.rand(2, 9, 37, generator=generator) * 3, torch.randn(2, 9, 37, generator=generator))
+    expected = torch.istft(spec, 16, 4, 16, window=torch.hann_window(16))
+    torch.testing.assert_close(hift._overlap_add_istft(spec), expected, rtol=0, atol=1e-6)
+
+
+def test_cuda_graphs_flag_falls_back_to_eager_on_cpu(checkpoints, hift) -> None:
+    graphed = load_hift(checkpoints["old"], cuda_graphs=True, **checkpoints["config"])
+    mel = _mel(1, 9)
+    expected, _ = hift.inference(mel, generator=_seeded(6))
+    wav, _ = graphed.inference(mel, generator=_seeded(6))
+    torch.testing.assert_close(wav, expected, rtol=0, atol=0)
+    assert graphed._graphed_decode is not None and graphed._graphed_decode.num_graphs == 0

@@ -37,6 +37,8 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from backends.token2wav.hift_cuda_graph import GraphedDecode
+
 # The published Step-Audio2 hift.pt uses the reference defaults.
 DEFAULT_HIFT_CONFIG: dict[str, Any] = {
     "in_channels": 80,
@@ -281,6 +283,7 @@ class HiFTGenerator(nn.Module):
         last_channels = base_channels // 2**self.num_upsamples
         self.conv_post = weight_norm(nn.Conv1d(last_channels, spec_channels, 7, padding=3))
         self.f0_predictor = F0Predictor(in_channels, f0_predictor_channels)
+        self._graphed_decode: GraphedDecode | None = None  # see enable_cuda_graphs
 
     @property
     def conv_dtype(self) -> torch.dtype:
@@ -307,7 +310,29 @@ class HiFTGenerator(nn.Module):
         magnitude = torch.exp(head[:, :bins]).clamp(max=1e2)
         phase = torch.sin(head[:, bins:])  # upstream squashes the phase with sin; mirrored for parity
         spec = torch.polar(magnitude, phase)
-        return torch.istft(spec, self.n_fft, self.hop_len, self.n_fft, window=self._window(head.device))
+        return self._overlap_add_istft(spec)
+
+    def _overlap_add_istft(self, spec: Tensor) -> Tensor:
+        """torch.istft(spec, n_fft, hop, n_fft, window, center=True) written out.
+
+        torch.istft checks the window envelope with a host sync, which CUDA-graph capture forbids; this
+        is the same arithmetic (inverse rFFT, window, overlap-add, divide by the summed squared window,
+        drop n_fft//2 samples at both ends) without the check: a periodic Hann window at hop n_fft/4 has
+        a constant envelope.
+        """
+        window = self._window(spec.device)
+        frames = torch.fft.irfft(spec, n=self.n_fft, dim=1) * window[None, :, None]  # [B, n_fft, F]
+        num_frames = frames.shape[-1]
+        padded_length = self.n_fft + self.hop_len * (num_frames - 1)
+
+        def overlap_add(columns: Tensor) -> Tensor:
+            folded = F.fold(columns, output_size=(1, padded_length), kernel_size=(1, self.n_fft), stride=(1, self.hop_len))
+            return folded.flatten(1)
+
+        signal = overlap_add(frames)
+        envelope = overlap_add(window.square()[None, :, None].expand(1, -1, num_frames))
+        trim = self.n_fft // 2
+        return signal[:, trim:-trim] / envelope[:, trim:-trim]
 
     # ---- forward ----
 
@@ -357,7 +382,15 @@ class HiFTGenerator(nn.Module):
             if cached > source.shape[-1]:
                 raise ValueError(f"cache_source has {cached} samples, more than the {source.shape[-1]} generated")
             source[:, :, :cached] = cache_source.to(source)
-        return self.decode(speech_feat, source), source
+        decode = self._graphed_decode if self._graphed_decode is not None else self.decode
+        return decode(speech_feat, source), source
+
+    def enable_cuda_graphs(self, max_shapes: int = 4) -> None:
+        """Replay `decode` from CUDA graphs, captured lazily per input shape (no effect on CPU inputs).
+
+        Enable once the model has its final device and dtype: a graph keeps the weights it captured.
+        """
+        self._graphed_decode = GraphedDecode(self.decode, max_shapes=max_shapes)
 
     def forward(self, speech_feat: Tensor, cache_source: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return self.inference(speech_feat, cache_source)
@@ -371,6 +404,8 @@ class HiFTGenerator(nn.Module):
         rate, a few % of the FLOPs, so float32 costs little. Call it on float32 weights: weights already
         rounded to a low precision do not come back.
         """
+        if self._graphed_decode is not None and self._graphed_decode.num_graphs:
+            raise RuntimeError("set the dtype before the first CUDA-graph capture")
         for name, child in self.named_children():
             child.to(dtype=torch.float32 if name in FLOAT32_CHILDREN else dtype)
         return self
@@ -394,11 +429,13 @@ def load_hift(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     fold_weight_norm: bool = True,
+    cuda_graphs: bool = False,
     **hyperparams: Any,
 ) -> HiFTGenerator:
     """Read a hift.pt (`generator.`-prefixed; weight_g/weight_v or parametrization keys), strict load.
 
     The weights are loaded and (optionally) folded in float32 on the CPU, then moved to device/dtype.
+    cuda_graphs: replay the decoder from CUDA graphs on CUDA inputs (see enable_cuda_graphs).
     Returns the model in eval mode.
     """
     state = torch.load(str(path), map_location="cpu", weights_only=True)
@@ -408,7 +445,10 @@ def load_hift(
     model.load_state_dict({k: v.float() for k, v in _strip_prefix(state).items()}, strict=True)
     if fold_weight_norm:
         model.fold_weight_norm()
-    return model.to(device=device).set_compute_dtype(dtype).eval()
+    model = model.to(device=device).set_compute_dtype(dtype).eval()
+    if cuda_graphs:
+        model.enable_cuda_graphs()
+    return model
 
 
 def to_old_weight_norm_keys(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
