@@ -103,7 +103,8 @@ async def test_chunked_stream_gives_pcm_of_expected_length(client, no_leaks):
     tokens = random_tokens(1, sum(CHUNKS))
     chunks = await run_stream(client, voice, tokens)
     assert all(c.dtype == np.float32 for c in chunks)
-    assert chunks[0].size > 0, "the first chunk (15 + 3 lookahead tokens) must already give audio"
+    # The first chunk (15 + 3 lookahead tokens) gives 15 tokens of audio less HiFT's 8 cross-fade frames.
+    assert chunks[0].size == 15 * SAMPLES_PER_TOKEN - 8 * 480
     assert sum(c.size for c in chunks) == SAMPLES_PER_TOKEN * len(tokens)
     audio = np.concatenate(chunks)
     assert np.isfinite(audio).all() and np.abs(audio).max() <= 1.0 and np.abs(audio).max() > 0
