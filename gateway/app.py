@@ -154,11 +154,11 @@ async def read_json_object(request: Request) -> dict[str, Any]:
 
 
 def build_synthesizer(settings: Settings) -> Synthesizer:
-    """The production synthesizer (LLM + token2wav pipeline).
+    """The production synthesizer: the LLM → token2wav pipeline (imported here so tests of the HTTP
+    layer need neither backend client)."""
+    from gateway.pipeline import SpeechPipeline
 
-    ===== HOOK (lead, gateway/pipeline.py): construct and return the real SpeechPipeline here. =====
-    """
-    raise NotImplementedError("build_synthesizer: wire gateway.pipeline.SpeechPipeline here")
+    return SpeechPipeline.from_settings(settings)
 
 
 _app: FastAPI | None = None

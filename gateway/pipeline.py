@@ -1,0 +1,293 @@
+"""The speech pipeline: LLM speech tokens → chunk schedule → token2wav gRPC stream → PCM.
+
+Per request:
+- the input is cut into segments that fit the LLM context (``gateway.segment``);
+- one producer task runs the LLM completions of all segments in order, putting speech tokens into one
+  queue per segment; the consumer turns each segment into one token2wav stream. The producer runs
+  ahead, so the next segment's LLM generation overlaps the current segment's token2wav;
+- tokens reach token2wav in chunks given by a named ``ChunkSchedule``: the first chunk is small so the
+  first audio comes fast, later chunks grow so the vocoder runs efficiently;
+- closing the PCM iterator (client gone) cancels the producer, which closes the LLM HTTP stream (the
+  server aborts the generation) and aborts the token2wav sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from gateway.errors import APIError
+from gateway.llm.client import LLMError, LLMUnavailable, SpeechTokenLLM
+from gateway.llm.prompt import CosyVoicePromptBuilder, LLMPrompt
+from gateway.segment import split_into_segments
+from gateway.settings import Settings
+from gateway.synth import SpeechJob, Usage
+from gateway.tempo import TempoStretcher
+from gateway.token2wav import Token2WavClient, Token2WavError, Token2WavUnavailable
+from gateway.voices import Voice, VoiceRegistry
+
+log = logging.getLogger("gateway.pipeline")
+
+
+@dataclass(frozen=True)
+class ChunkSchedule:
+    """How many speech tokens each token2wav call gets.
+
+    The first call needs ``first`` tokens plus the ``lookahead`` the flow's pre-lookahead layer reads
+    ahead; each later call fires once ``hops[i]`` new tokens arrived (the last hop repeats). When more
+    tokens than that are waiting (token2wav is behind the LLM), all of them go in one call.
+    """
+
+    name: str
+    first: int
+    lookahead: int
+    hops: tuple[int, ...]
+
+    def tokens_needed(self, call_index: int) -> int:
+        if call_index == 0:
+            return self.first + self.lookahead
+        return self.hops[min(call_index - 1, len(self.hops) - 1)]
+
+
+CHUNK_SCHEDULES: dict[str, ChunkSchedule] = {
+    # Upstream Step-Audio2 / CosyVoice2 streaming: 15 + 3, then 25, 50, 100, 200 ... tokens.
+    "exponential": ChunkSchedule("exponential", first=15, lookahead=3, hops=(25, 50, 100, 200)),
+    # Steady 1 s chunks after the first: lower per-chunk latency, more calls.
+    "fixed25": ChunkSchedule("fixed25", first=15, lookahead=3, hops=(25,)),
+}
+
+
+def get_schedule(name: str) -> ChunkSchedule:
+    try:
+        return CHUNK_SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"unknown chunk schedule {name!r}; known: {sorted(CHUNK_SCHEDULES)}") from None
+
+
+def backend_unavailable(what: str, detail: str) -> APIError:
+    return APIError(
+        503,
+        f"The {what} backend is unavailable, try again shortly ({detail}).",
+        type="server_error",
+        code="backend_unavailable",
+        retry_after=1,
+    )
+
+
+_END = object()  # end of one segment's token stream
+
+
+class SpeechPipeline:
+    """``Synthesizer`` implementation over the real LLM and token2wav clients."""
+
+    def __init__(
+        self,
+        llm: SpeechTokenLLM,
+        prompts: CosyVoicePromptBuilder,
+        token2wav: Token2WavClient,
+        voices: VoiceRegistry,
+        *,
+        context_tokens: int,
+        schedule: ChunkSchedule,
+        sample_rate: int = 24000,
+    ) -> None:
+        self.llm = llm
+        self.prompts = prompts
+        self.token2wav = token2wav
+        self.voices = voices
+        self.context_tokens = context_tokens
+        self.schedule = schedule
+        self.sample_rate = sample_rate
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SpeechPipeline:
+        prompts = CosyVoicePromptBuilder(settings.llm_tokenizer_dir, context_tokens=settings.llm_context_tokens)
+        llm = SpeechTokenLLM(
+            settings.llm_url,
+            settings.llm_model,
+            prompts,
+            dialect=settings.llm_dialect,
+            timeout_s=settings.llm_timeout_s,
+            temperature=settings.llm_temperature,
+            top_p=settings.llm_top_p,
+            top_k=settings.llm_top_k,
+            repetition_penalty=settings.llm_repetition_penalty,
+        )
+        token2wav = Token2WavClient(settings.triton_url, settings.triton_model, timeout_s=settings.triton_timeout_s)
+        return cls(
+            llm,
+            prompts,
+            token2wav,
+            VoiceRegistry(settings.voices_dir),
+            context_tokens=settings.llm_context_tokens,
+            schedule=get_schedule(settings.chunk_schedule),
+        )
+
+    async def start(self) -> None:
+        self.voices.load()
+        await self.llm.start()
+
+    async def aclose(self) -> None:
+        await self.llm.aclose()
+        await self.token2wav.aclose()
+
+    async def ready(self) -> dict[str, bool]:
+        """Per-backend reachability, for /ready."""
+        llm_ok, token2wav_ok = await asyncio.gather(self.llm.ready(), self.token2wav.ready())
+        return {"llm": llm_ok, "token2wav": token2wav_ok}
+
+    async def prepare(self, job: SpeechJob) -> PreparedSpeech:
+        voice = await self.voices.resolve(job.voice)
+        prompts = self.build_prompts(job.input, voice, job.instructions)
+        speech = PreparedSpeech(self, voice, prompts, job)
+        await speech.start()
+        return speech
+
+    def text_budget(self, voice: Voice, instructions: str | None) -> int:
+        """Text tokens one segment may hold so prompt + 20x output fit the LLM context.
+
+        Mirrors the prompt builder's choice of mode: instructions replace the voice's transcript and
+        speech prefix; a voice without a transcript is used cross-lingually (no prefix).
+        """
+        if instructions and instructions.strip():
+            prefix = self.prompts.count_tokens(instructions) + 1  # + <|endofprompt|>
+        elif voice.prompt_text and len(voice.prompt_tokens):
+            prefix = self.prompts.count_tokens(voice.prompt_text) + len(voice.prompt_tokens)
+        else:
+            prefix = 0
+        return self.prompts.max_text_tokens(prefix + 2)  # + <|sos|>, <|task_id|>
+
+    def build_prompts(self, text: str, voice: Voice, instructions: str | None) -> list[LLMPrompt]:
+        budget = self.text_budget(voice, instructions)
+        if budget < 1:
+            param = "instructions" if instructions else "voice"
+            raise APIError(
+                400,
+                f"The {param} leave no room for text in the model's {self.context_tokens}-token context; "
+                "shorten them.",
+                code="context_length_exceeded",
+                param=param,
+            )
+        prompts = []
+        for segment in split_into_segments(text, budget, self.prompts.count_tokens):
+            if not segment.strip():
+                continue
+            prompts.append(
+                self.prompts.build(
+                    segment,
+                    prompt_text=voice.prompt_text,
+                    prompt_speech_tokens=voice.prompt_tokens.tolist(),
+                    instructions=instructions or None,
+                )
+            )
+        return prompts
+
+
+class PreparedSpeech:
+    """One request's synthesis: LLM producer task + token2wav consumer, exposed as a PCM iterator."""
+
+    def __init__(self, pipeline: SpeechPipeline, voice: Voice, prompts: list[LLMPrompt], job: SpeechJob) -> None:
+        self._pipeline = pipeline
+        self._voice = voice
+        self._prompts = prompts
+        self._job = job
+        self.usage = Usage(input_tokens=sum(p.text_token_count for p in prompts), output_tokens=0)
+        self._queues: list[asyncio.Queue[object]] = [asyncio.Queue() for _ in prompts]
+        self._producer: asyncio.Task[None] | None = None
+        self._first: object | None = None
+
+    async def start(self) -> None:
+        """Start the LLM and wait for its first token, so a dead LLM is a 503 before the 200 is sent."""
+        self._producer = asyncio.create_task(self._produce(), name=f"llm-{self._job.request_id}")
+        if not self._queues:
+            return
+        self._first = await self._queues[0].get()
+        if isinstance(self._first, BaseException):
+            self._cancel()
+            raise self._as_api_error(self._first)
+
+    async def _produce(self) -> None:
+        llm = self._pipeline.llm
+        for prompt, queue in zip(self._prompts, self._queues):
+            try:
+                async with contextlib.aclosing(llm.stream(prompt)) as tokens:
+                    async for token in tokens:
+                        self.usage.output_tokens += 1
+                        queue.put_nowait(token)
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+                queue.put_nowait(exc)
+                return
+            queue.put_nowait(_END)
+
+    async def aclose(self) -> None:
+        """Stop the LLM work even if ``pcm()`` was never iterated (e.g. the client left first)."""
+        self._cancel()
+
+    def _cancel(self) -> None:
+        if self._producer is not None and not self._producer.done():
+            self._producer.cancel()
+
+    @staticmethod
+    def _as_api_error(exc: BaseException) -> Exception:
+        if isinstance(exc, LLMUnavailable):
+            return backend_unavailable("speech-token LLM", type(exc).__name__)
+        if isinstance(exc, Token2WavUnavailable):
+            return backend_unavailable("token2wav", str(exc) or type(exc).__name__)
+        return exc
+
+    async def pcm(self) -> AsyncIterator[np.ndarray]:
+        stretcher = TempoStretcher(self._job.speed, self._pipeline.sample_rate) if self._job.speed != 1 else None
+        try:
+            for index, queue in enumerate(self._queues):
+                async for chunk in self._segment_pcm(queue, first=self._first if index == 0 else None):
+                    out = stretcher.process(chunk) if stretcher else chunk
+                    if out.size:
+                        yield out
+            if stretcher:
+                tail = stretcher.flush()
+                if tail.size:
+                    yield tail
+        except (LLMError, Token2WavError) as exc:
+            log.error("synthesis failed after streaming began: %r", exc, extra={"request_id": self._job.request_id})
+            raise self._as_api_error(exc) from exc
+        finally:
+            self._cancel()
+
+    async def _segment_pcm(self, queue: asyncio.Queue[object], first: object | None) -> AsyncIterator[np.ndarray]:
+        """Feed one segment's tokens to one token2wav stream following the chunk schedule."""
+        schedule = self._pipeline.schedule
+        pending: list[int] = []
+        finished = False
+        if first is not None:
+            finished = self._take(first, pending)
+        async with self._pipeline.token2wav.stream(self._voice) as stream:
+            call = 0
+            while True:
+                needed = schedule.tokens_needed(call)
+                while not finished and len(pending) < needed:
+                    finished = self._take(await queue.get(), pending)
+                while not finished and not queue.empty():  # token2wav fell behind: send all that is waiting
+                    finished = self._take(queue.get_nowait(), pending)
+                pcm = await stream.send(pending, final=finished)
+                pending = []
+                call += 1
+                if pcm.size:
+                    yield pcm
+                if finished:
+                    return
+
+    @staticmethod
+    def _take(item: object, pending: list[int]) -> bool:
+        """Append a token; True at the end of the segment; raise what the producer raised."""
+        if item is _END:
+            return True
+        if isinstance(item, BaseException):
+            raise item
+        pending.append(item)  # type: ignore[arg-type]
+        return False
+
