@@ -36,7 +36,8 @@ def test_vllm_body_asks_for_token_ids() -> None:
 
 def test_openai_body_is_standard_only() -> None:
     body = request_body("openai", "m", PROMPT, SamplingParams())
-    assert set(body) == {"model", "prompt", "max_tokens", "temperature", "top_p", "stream"}
+    assert set(body) == {"model", "prompt", "max_tokens", "temperature", "top_p", "stream", "stop"}
+    assert body["stop"] == ["<|eos1|>", "<|eos2|>", "<|eos3|>"]
 
 
 def test_dialect_detection_from_models_owner() -> None:

@@ -86,7 +86,7 @@ def test_startup_deadline_raises_and_cleans_up(tmp_path: Path, monkeypatch: pyte
     pids_file = tmp_path / "pids"
     monkeypatch.setenv("PIDS_FILE", str(pids_file))
     monkeypatch.setenv("READY", "0")
-    server = VLLMServer(tmp_path, python=fake_python(tmp_path), startup_timeout_s=8)
+    server = VLLMServer(tmp_path, python=fake_python(tmp_path), startup_timeout_s=5)
     with pytest.raises(TimeoutError):
         server.start()
     assert not server.running

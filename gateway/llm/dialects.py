@@ -50,6 +50,9 @@ def request_body(
         "stream": True,
     }
     if dialect == "openai":
+        # Standard `stop` strings: end on the eos markers where the server shows them in text (where it
+        # hides special tokens, only max_tokens ends the stream).
+        body["stop"] = list(vocab.TAIL_TOKENS[:3])
         return body
     body.update(
         top_k=sampling.top_k,

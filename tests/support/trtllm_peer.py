@@ -48,6 +48,7 @@ class PeerCompletionRequest(BaseModel):
     top_k: int = 0
     repetition_penalty: float = 1.0
     stream: bool | None = False
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
