@@ -355,7 +355,10 @@ def hift_hyperparams_from_checkpoint(path: Union[str, Path]) -> dict[str, int]:
 
     The published file has the reference defaults (512/512); test files are smaller.
     """
-    state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # legacy (non-zip) checkpoints cannot be memory-mapped
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
     strip = {k.removeprefix("generator."): v for k, v in state.items()}
     params: dict[str, int] = {}
     if "conv_pre.bias" in strip:
