@@ -78,6 +78,9 @@ def _tensor(name: str, array: np.ndarray, datatype: str) -> grpcclient.InferInpu
 
 def _tokens_input(tokens: Sequence[int] | np.ndarray) -> grpcclient.InferInput:
     array = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
+    if array.size and (array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max):
+        # int32 on the wire would wrap them into valid-looking ids; the server checks 0..6560 itself
+        raise Token2WavBadRequest("speech token ids out of int32 range")
     return _tensor("tokens", array.astype(np.int32), "INT32")
 
 

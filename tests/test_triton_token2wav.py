@@ -289,3 +289,29 @@ async def test_capacity_limit_answers_unavailable(client, no_leaks):
         await stream.__aexit__(None, None, None)
     assert await client.live_sequences() == 0
     await assert_healthy(client)
+
+
+async def test_dead_server_is_unavailable():
+    from backends.serving.triton import free_port
+
+    dead = Token2WavClient(f"127.0.0.1:{free_port()}", MODEL, timeout_s=30)
+    try:
+        assert not await dead.ready()
+        with pytest.raises(Token2WavUnavailable):
+            await dead.live_sequences()
+        with pytest.raises(Token2WavUnavailable):
+            async with dead.stream(random_voice(1)) as stream:
+                await stream.send(random_tokens(1, 5))
+    finally:
+        await dead.aclose()
+
+
+def test_error_mapping_and_client_side_checks():
+    assert isinstance(map_error(InferenceServerException("[token2wav:unavailable] capacity")), Token2WavUnavailable)
+    assert isinstance(map_error(InferenceServerException("[token2wav:bad_request] unknown voice")), Token2WavBadRequest)
+    assert isinstance(map_error(InferenceServerException("boom", status="StatusCode.UNAVAILABLE")), Token2WavUnavailable)
+    assert type(map_error(InferenceServerException("[token2wav:internal] engine failed"))) is Token2WavError
+    with pytest.raises(Token2WavBadRequest, match="int32"):
+        from gateway.token2wav import _tokens_input
+
+        _tokens_input([2**32 + 5])
