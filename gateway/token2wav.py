@@ -158,6 +158,8 @@ class Token2WavClient:
 
 
 _CLOSE = object()
+_CLOSE_WAIT_S = 5.0
+"""How long leaving a stream waits for the server to end the gRPC call before cancelling it."""
 
 
 class Token2WavStream:
@@ -246,8 +248,10 @@ class Token2WavStream:
                 "model_name": self.client.model, "inputs": abort_inputs,
                 "sequence_id": self.correlation_id, "sequence_start": False, "sequence_end": True,
             })
+            self._dirty = True
             try:
                 await asyncio.wait_for(self._responses.__anext__(), self.client.timeout_s)
+                self._dirty = False
                 return
             except Exception as exc:  # fall through to the unary path
                 log.debug("abort on stream %d failed: %s", self.correlation_id, exc)
@@ -278,7 +282,7 @@ class Token2WavStream:
         self._requests.put_nowait(_CLOSE)
         if not self._dirty:
             try:
-                await asyncio.wait_for(responses.__anext__(), self.client.timeout_s)
+                await asyncio.wait_for(responses.__anext__(), min(self.client.timeout_s, _CLOSE_WAIT_S))
             except StopAsyncIteration:
                 return
             except Exception as exc:
