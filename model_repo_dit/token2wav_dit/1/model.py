@@ -36,7 +36,8 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         parameters = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         self.config = ServiceConfig.from_parameters(parameters)
-        engine = Token2WavEngine.load(self.config.model_dir, device=self.config.device, dtype=self.config.dtype)
+        engine = Token2WavEngine.load(self.config.model_dir, device=_instance_device(self.config.device, args),
+                                      dtype=self.config.dtype)
         self.service = Token2WavService(engine, self.config)
         self.service.start_reaper()
         pb_utils.Logger.log_info(f"token2wav_dit ready: {self.config}")
@@ -69,6 +70,13 @@ class TritonPythonModel:
             pb_utils.Tensor("pcm", result.pcm.reshape(1, -1)),
             pb_utils.Tensor("live_sequences", np.array([result.live_sequences], np.int32)),
         ])
+
+
+def _instance_device(device: str, args: dict) -> str:
+    """``cuda`` on a KIND_GPU instance means that instance's GPU (one instance per GPU in a group)."""
+    if device == "cuda" and args.get("model_instance_kind") == "GPU":
+        return f"cuda:{args['model_instance_device_id']}"
+    return device
 
 
 def _input(request, name: str) -> np.ndarray | None:
