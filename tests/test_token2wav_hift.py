@@ -156,3 +156,22 @@ def test_cuda_graphs_flag_falls_back_to_eager_on_cpu(checkpoints, hift) -> None:
     wav, _ = graphed.inference(mel, generator=_seeded(6))
     torch.testing.assert_close(wav, expected, rtol=0, atol=0)
     assert graphed._graphed_decode is not None and graphed._graphed_decode.num_graphs == 0
+
+
+def test_fast_noise_has_the_reference_noise_distribution(hift) -> None:
+    """The default path draws one mixed Gaussian per sample instead of one per harmonic: same spread."""
+    source_module = hift.m_source
+    unvoiced_f0 = torch.full((1, 48000, 1), 5.0)  # below the threshold: pure noise of amp sine_amp/3
+
+    def pre_tanh_std(reference_layout: bool) -> float:
+        source_module.reference_noise_layout = reference_layout
+        draws = [torch.atanh(source_module(unvoiced_f0, _seeded(i))) for i in range(10)]
+        return torch.stack(draws).std().item()
+
+    try:
+        reference_std, fast_std = pre_tanh_std(True), pre_tanh_std(False)
+    finally:
+        source_module.reference_noise_layout = False
+    expected = source_module.sine_amp / 3 * source_module.l_linear.weight.norm().item()
+    assert reference_std == pytest.approx(expected, rel=0.03)
+    assert fast_std == pytest.approx(expected, rel=0.03)
