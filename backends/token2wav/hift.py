@@ -15,13 +15,18 @@ Parameter names mirror the published `hift.pt` (after stripping its `generator.`
 with `strict=True`. Weight norm uses torch's parametrization API; its load hook also accepts the old
 `weight_g`/`weight_v` keys.
 
-Randomness: the excitation draws an initial harmonic phase and Gaussian noise on every call. Both are
-drawn from the `generator` passed to `inference` (or torch's global RNG when None), in the same order
-and shapes as the reference, so a stream that owns its generator is independent of other streams and a
-seeded call reproduces the reference bit for bit up to float rounding.
+Randomness: the excitation draws an initial harmonic phase and Gaussian noise on every call, from the
+`generator` passed to `inference` (torch's global RNG when None), so a stream that owns its generator
+is independent of other streams. A generator on the model's device avoids a host draw and copy. By
+default the noise is drawn in a cheaper, equally distributed form; with `reference_noise_layout=True`
+the draws match upstream's exactly, so a seeded call reproduces the reference up to float rounding.
 
 Precision: the excitation (phase accumulation over thousands of samples), the STFT/iSTFT and the
-exp() of the log-magnitude always run in float32; only the convolutions run in the module's dtype.
+exp() of the log-magnitude always run in float32; `set_compute_dtype` (used by `load_hift`) puts only
+the upsampling network in fp16/bf16 and keeps the F0 predictor and source module in float32.
+
+Speed: on a GPU at batch 1 the decoder is launch-bound; `enable_cuda_graphs` / `load_hift(cuda_graphs=
+True)` replays it from CUDA graphs (hift_cuda_graph.py).
 """
 
 from __future__ import annotations
