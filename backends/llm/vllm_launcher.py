@@ -24,12 +24,14 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from collections.abc import Collection
 from types import TracebackType
+
+from backends.serving.cpus import core_list, pin_to
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 DEFAULT_SERVED_NAME = "cosyvoice2"
-
 
 def free_port() -> int:
     """An ephemeral TCP port that was free a moment ago (bind port 0, read it back)."""
@@ -65,6 +67,7 @@ class VLLMServer:
         python: str | Path | None = None,
         max_model_len: int = 2048,
         kv_cache_space_gib: int = 1,
+        cpu_cores: Collection[int] | None = None,
         startup_timeout_s: float = 300.0,
         log_path: str | Path | None = None,
         extra_args: list[str] | None = None,
@@ -78,6 +81,8 @@ class VLLMServer:
         self.python = Path(python) if python else DEFAULT_VLLM_PYTHON
         self.max_model_len = max_model_len
         self.kv_cache_space_gib = kv_cache_space_gib
+        self.cpu_cores = cpu_cores
+        """Cores the whole server is pinned to (see backends/serving/cpus.py); None: no pinning."""
         self.startup_timeout_s = startup_timeout_s
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = list(extra_args or [])
@@ -111,6 +116,14 @@ class VLLMServer:
             *self.extra_args,
         ]  # fmt: skip
 
+    def _preexec(self) -> None:
+        """In the child, before exec."""
+        pin = pin_to(self.cpu_cores)
+        if pin is not None:
+            pin()
+        if self.die_with_parent:
+            _die_with_parent()
+
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
@@ -120,6 +133,8 @@ class VLLMServer:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
         )
+        if self.cpu_cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = core_list(self.cpu_cores)
         return env
 
     def start(self) -> None:
@@ -139,7 +154,7 @@ class VLLMServer:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            preexec_fn=self._preexec,
         )
         try:
             self._wait_ready(started)

@@ -25,7 +25,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
+
+from backends.serving.cpus import pin_to
 
 
 class TritonLaunchError(RuntimeError):
@@ -123,6 +125,7 @@ class TritonServer:
         work_dir: str | os.PathLike | None = None,
         startup_timeout_s: float = 120.0,
         extra_args: Sequence[str] = (),
+        cpu_cores: Collection[int] | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.env = dict(env or {})
@@ -132,6 +135,8 @@ class TritonServer:
         self.metrics_port = metrics_port or free_port()
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = list(extra_args)
+        self.cpu_cores = cpu_cores
+        """Cores the server and its python stubs are pinned to (see backends/serving/cpus.py)."""
         self._owned_work_dir = work_dir is None
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="triton-"))
         self.backend_dir = Path(backend_dir) if backend_dir else self.work_dir / "backends"
@@ -178,11 +183,12 @@ class TritonServer:
         self._log_file = open(self.log_path, "ab")
         self._process = subprocess.Popen(
             self.command(install),
-            env=server_env(install, self.env),
+            env=server_env(install, {**self._thread_env(), **self.env}),
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: stop() can reach the python stubs too
+            preexec_fn=pin_to(self.cpu_cores),
         )
         atexit.register(self.stop)  # a crashed test session or script must not leave a server behind
         try:
@@ -191,6 +197,10 @@ class TritonServer:
             self.stop()
             raise
         return self
+
+    def _thread_env(self) -> dict[str, str]:
+        """torch threads = pinned cores (an explicit OMP_NUM_THREADS in ``env`` wins)."""
+        return {"OMP_NUM_THREADS": str(len(self.cpu_cores))} if self.cpu_cores else {}
 
     def is_ready(self) -> bool:
         try:

@@ -25,6 +25,7 @@ import httpx
 
 from backends.llm.tiny import write_tiny_llm
 from backends.llm.vllm_launcher import VLLMServer
+from backends.serving.cpus import shared_machine_split
 from backends.serving.triton import TritonServer
 from backends.token2wav.tiny import write_token2wav_dir
 from backends.voices.presets import write_builtin_voices
@@ -149,6 +150,7 @@ def local_stack(cfg: StackConfig) -> Iterator[GatewayProcess]:
     cfg.var_dir.mkdir(parents=True, exist_ok=True)
     (cfg.var_dir / "logs").mkdir(exist_ok=True)
     token2wav_dir, llm_dir, voices_dir = prepare_assets(cfg)
+    split = shared_machine_split()  # (LLM cores, token2wav cores) on small machines
     triton = TritonServer(
         ROOT / "model_repo_dit",
         env={
@@ -160,12 +162,14 @@ def local_stack(cfg: StackConfig) -> Iterator[GatewayProcess]:
         grpc_port=cfg.triton_grpc_port,
         metrics_port=cfg.triton_metrics_port,
         work_dir=cfg.var_dir / "triton",
+        cpu_cores=split[1] if split else None,
     )
     llm = VLLMServer(
         model_dir=llm_dir,
         port=cfg.llm_port,
         served_model_name=cfg.llm_served_name,
         log_path=cfg.var_dir / "logs" / "vllm.log",
+        cpu_cores=split[0] if split else None,
     )
     llm_url = cfg.external_llm_url or llm.base_url
     gateway = GatewayProcess(

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from backends.serving.cpus import shared_machine_split
 from backends.serving.triton import TritonServer
 from backends.token2wav.service import parameter_env
 from gateway.voices import Voice
@@ -26,8 +27,9 @@ def start_token2wav_server(work_dir: Path, **parameters: object) -> TritonServer
     """Write tiny weights under ``work_dir`` and start tritonserver; ``parameters`` override config.pbtxt."""
     model_dir = write_tiny_token2wav(work_dir / "token2wav")
     env = parameter_env(model_dir=model_dir, device="cpu", dtype="float32", **parameters)
-    env["OMP_NUM_THREADS"] = "1"  # tests share 2 cores with the client and other suites
-    server = TritonServer(MODEL_REPOSITORY, env=env, work_dir=work_dir / "triton", startup_timeout_s=180)
+    split = shared_machine_split()  # keep clear of the session's vLLM, which busy-polls its cores
+    server = TritonServer(MODEL_REPOSITORY, env=env, work_dir=work_dir / "triton", startup_timeout_s=180,
+                          cpu_cores=split[1] if split else None)
     return server.start()
 
 

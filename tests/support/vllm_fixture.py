@@ -26,6 +26,7 @@ import pytest
 
 from backends.llm.tiny import write_tiny_llm
 from backends.llm.vllm_launcher import VLLMServer
+from backends.serving.cpus import shared_machine_split
 
 SERVED_MODEL_NAME = "cosyvoice2"
 
@@ -54,10 +55,12 @@ def shared_vllm() -> VLLMInfo:
             raise RuntimeError("the shared vLLM server died; see its log in " + str(_workdir))
         _workdir = Path(tempfile.mkdtemp(prefix="tiny-vllm-"))
         model_dir = write_tiny_llm(_workdir / "llm", seed=0)
+        split = shared_machine_split()
         server = VLLMServer(
             model_dir,
             served_model_name=SERVED_MODEL_NAME,
             log_path=_workdir / "vllm.log",
+            cpu_cores=split[0] if split else None,  # leave cores to the Tritons tests run beside it
             die_with_parent=threading.current_thread() is threading.main_thread(),
             startup_timeout_s=float(os.environ.get("TTS_TEST_VLLM_STARTUP_S", "420")),
         )
