@@ -38,7 +38,7 @@ class Settings(BaseSettings):
     # --- speech-token LLM server (trtllm-serve in production, vLLM elsewhere) ---
     llm_url: str = "http://127.0.0.1:8100/v1"
     llm_model: str = "cosyvoice2"
-    llm_dialect: Literal["auto", "trtllm", "vllm"] = "auto"
+    llm_dialect: Literal["auto", "trtllm", "vllm", "openai"] = "auto"
     llm_tokenizer_dir: str = "var/models/llm"
     """Folder with the LLM's tokenizer files (tokenizer.json ...): prompts are sent as token ids."""
     llm_context_tokens: int = 2048
