@@ -25,19 +25,11 @@ import pytest
 
 from backends.llm.vllm_launcher import free_port
 from deploy.local.stack import GatewayProcess, StackConfig, local_stack
+from gateway.audio import CONTENT_TYPES, FORMATS
 from gateway.voices import BUILTIN_VOICES
 from tests.support.vllm_fixture import shared_vllm
 
 SAMPLES_PER_TOKEN = 960  # 2 mel frames x 480 samples at 24 kHz
-FORMATS = ["mp3", "opus", "aac", "flac", "wav", "pcm"]
-CONTENT_TYPES = {
-    "mp3": "audio/mpeg",
-    "opus": "audio/opus",
-    "aac": "audio/aac",
-    "flac": "audio/flac",
-    "wav": "audio/wav",
-    "pcm": "audio/pcm",
-}
 
 
 @pytest.fixture(scope="session")
