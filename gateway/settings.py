@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
+from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -60,6 +61,26 @@ class Settings(BaseSettings):
 
     # --- voices ---
     voices_dir: str = "var/voices"
+
+    # --- reliability and operations (issue 7; see gateway/admission.py, gateway/auth.py) ---
+    max_concurrent_streams: int = 32
+    """Speech streams in flight gateway-wide; one more is a 429 with Retry-After (0 = no limit)."""
+    max_streams_per_key: int = 8
+    """Speech streams in flight per API key (only when auth is on; 0 = no limit)."""
+    admission_retry_after_s: float = 1.0
+    """Retry-After sent with admission 429s and token2wav capacity 429s."""
+    request_timeout_s: float = 600.0
+    """Longest one speech request may take, first byte to last (0 = no limit)."""
+    stream_idle_timeout_s: float = 120.0
+    """Longest wait for the next audio chunk, including the first (0 = no limit)."""
+    api_keys: SecretStr = SecretStr("")
+    """Comma-separated API keys; auth is off when neither this nor ``api_keys_file`` gives a key."""
+    api_keys_file: str = ""
+    """File with one API key per line (blank lines and ``#`` comments ignored)."""
+    metrics_require_auth: bool = False
+    """Whether GET /metrics needs an API key (when auth is on)."""
+    shutdown_drain_s: float = 30.0
+    """On shutdown, how long the app waits for in-flight streams to finish before closing the backends."""
 
 
 @lru_cache
