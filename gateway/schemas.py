@@ -101,13 +101,18 @@ class SpeechRequest(BaseModel):
     response_format: ResponseFormat = "mp3"
     speed: float = Field(default=1.0, description=f"{MIN_SPEED} to {MAX_SPEED}, inclusive.")
     stream_format: StreamFormat = "audio"
+    normalize: bool | None = Field(
+        default=None,
+        description="Extension: read numbers, dates, units and symbols as words; false sends the text "
+        "as written. Omitted or null: the server's default (TTS_TEXT_NORMALIZATION, on).",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _nulls_mean_default(cls, data: Any) -> Any:
         """An explicit ``null`` for an optional field means "use the default" (as if omitted)."""
         if isinstance(data, dict):
-            optional = ("instructions", "response_format", "speed", "stream_format")
+            optional = ("instructions", "response_format", "speed", "stream_format", "normalize")
             data = {k: v for k, v in data.items() if not (k in optional and v is None)}
         return data
 
@@ -165,6 +170,13 @@ class SpeechRequest(BaseModel):
     @classmethod
     def _check_stream_format(cls, value: Any) -> str:
         return _check_choice("stream_format", value, STREAM_FORMATS)
+
+    @field_validator("normalize", mode="before")
+    @classmethod
+    def _check_normalize(cls, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise _invalid_type("normalize", "a boolean", value)
+        return value
 
     @field_validator("speed", mode="before")
     @classmethod

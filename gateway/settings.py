@@ -59,6 +59,11 @@ class Settings(BaseSettings):
     chunk_schedule: str = "exponential"
     """Named token-chunk schedule (see gateway/pipeline.py)."""
 
+    # --- text ---
+    text_normalization: bool = True
+    """Read numbers, dates, times, currencies, units and symbols as words (gateway/normalize.py) unless
+    a request sends ``"normalize": false``; false turns it off for requests that do not ask for it."""
+
     # --- voices ---
     voices_dir: str = "var/voices"
 

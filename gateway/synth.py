@@ -32,6 +32,8 @@ class SpeechJob:
     speed: float = 1.0
     response_format: str = "mp3"
     stream_format: str = "audio"
+    normalize: bool | None = None
+    """Text normalization on/off for this request (extension field); None: the server's default."""
 
 
 @dataclass
