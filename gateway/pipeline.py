@@ -24,6 +24,7 @@ import numpy as np
 from gateway.errors import APIError
 from gateway.llm.client import LLMError, LLMUnavailable, SpeechTokenLLM
 from gateway.llm.prompt import CosyVoicePromptBuilder, LLMPrompt
+from gateway.normalize import default_normalizer
 from gateway.segment import split_into_segments
 from gateway.settings import Settings
 from gateway.synth import SpeechJob, Usage
@@ -95,6 +96,7 @@ class SpeechPipeline:
         context_tokens: int,
         schedule: ChunkSchedule,
         sample_rate: int = 24000,
+        normalize_text: bool = True,
     ) -> None:
         self.llm = llm
         self.prompts = prompts
@@ -103,6 +105,8 @@ class SpeechPipeline:
         self.context_tokens = context_tokens
         self.schedule = schedule
         self.sample_rate = sample_rate
+        self.normalize_text = normalize_text  # default when a request does not say (gateway/normalize.py)
+        self.normalizer = default_normalizer()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SpeechPipeline:
@@ -126,10 +130,13 @@ class SpeechPipeline:
             VoiceRegistry(settings.voices_dir),
             context_tokens=settings.llm_context_tokens,
             schedule=get_schedule(settings.chunk_schedule),
+            normalize_text=settings.text_normalization,
         )
 
     async def start(self) -> None:
         self.voices.load()
+        if self.normalize_text:
+            await asyncio.to_thread(self.normalizer.warm)
         await self.llm.start()
 
     async def aclose(self) -> None:
@@ -143,7 +150,10 @@ class SpeechPipeline:
 
     async def prepare(self, job: SpeechJob) -> PreparedSpeech:
         voice = await self.voices.resolve(job.voice)
-        prompts = self.build_prompts(job.input, voice, job.instructions)
+        text = job.input  # usage.input_tokens counts the text the LLM reads: the normalized text
+        if self.normalize_text if job.normalize is None else job.normalize:
+            text = await self.normalizer.anormalize(text)
+        prompts = self.build_prompts(text, voice, job.instructions)
         speech = PreparedSpeech(self, voice, prompts, job)
         await speech.start()
         return speech
