@@ -11,19 +11,24 @@ model) instead of letting FastAPI parse it, so every failure is the OpenAI envel
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from gateway import sse
+from gateway.admission import AdmissionController, GuardedSpeech, Permit, RequestTimeoutError
 from gateway.audio import CONTENT_TYPES, make_encoder
+from gateway.auth import APIKeyMiddleware, load_api_keys
 from gateway.errors import InvalidRequestError, ModelNotFoundError, install_error_handlers, request_id_of
-from gateway.middleware import RequestContextMiddleware, new_request_id
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import RequestContextMiddleware, install_request_id_logging, new_request_id
 from gateway.schemas import ModelList, ModelObject, SpeechRequest, parse_speech_request
 from gateway.settings import Settings, get_settings
 from gateway.streaming import SpeechStreamResponse
@@ -41,8 +46,22 @@ UPLOAD_PATH_PREFIXES = ("/v1/audio/voices", "/v1/audio/voice_consents")
 def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
     """The API over ``synthesizer``.
 
-    If the synthesizer has ``async start()`` / ``async aclose()`` they run at app startup/shutdown.
+    If the synthesizer has ``async start()`` / ``async aclose()`` they run at app startup/shutdown;
+    ``async ready() -> dict[str, bool]`` feeds /ready; ``attach_metrics(metrics)`` gets the backend
+    latency histograms. On shutdown in-flight streams drain (``settings.shutdown_drain_s``) before
+    the backends close.
     """
+    install_request_id_logging()
+    metrics = GatewayMetrics()
+    admission = AdmissionController(
+        max_total=settings.max_concurrent_streams,
+        max_per_key=settings.max_streams_per_key,
+        retry_after_s=settings.admission_retry_after_s,
+        metrics=metrics,
+    )
+    attach_metrics = getattr(synthesizer, "attach_metrics", None)
+    if attach_metrics is not None:
+        attach_metrics(metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -52,6 +71,7 @@ def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
         try:
             yield
         finally:
+            await admission.drain(settings.shutdown_drain_s)
             aclose = getattr(synthesizer, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -59,11 +79,17 @@ def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
     app = FastAPI(title="OpenAI-compatible speech API", version="0.1.0", lifespan=lifespan, redoc_url=None)
     app.state.settings = settings
     app.state.synthesizer = synthesizer
+    app.state.metrics = metrics
+    app.state.admission = admission
     install_error_handlers(app)
 
     def body_limit(path: str) -> int:
         return settings.max_upload_bytes if path.startswith(UPLOAD_PATH_PREFIXES) else settings.max_body_bytes
 
+    # Added first, so it runs inside RequestContextMiddleware and its 401 carries the request id.
+    app.add_middleware(
+        APIKeyMiddleware, keys=load_api_keys(settings), protect_metrics=settings.metrics_require_auth, metrics=metrics
+    )
     app.add_middleware(RequestContextMiddleware, body_limit=body_limit)
 
     model_ids = [settings.served_model, *(a for a in settings.model_aliases if a != settings.served_model)]
@@ -74,6 +100,28 @@ def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/ready", response_model=None)
+    async def ready() -> dict[str, Any] | JSONResponse:
+        """Both backends reachable (per backend), 503 naming the ones that are not."""
+        probe = getattr(synthesizer, "ready", None)
+        backends: dict[str, bool] = dict(await probe()) if probe is not None else {}
+        down = sorted(name for name, ok in backends.items() if not ok)
+        if admission.draining:
+            down.append("gateway (shutting down)")
+        if down:
+            message = f"Not ready: {', '.join(down)} unavailable."
+            return JSONResponse(
+                {"status": "unavailable", "backends": backends, "error": message},
+                status_code=503,
+                headers={"retry-after": str(max(1, round(settings.admission_retry_after_s)))},
+            )
+        return {"status": "ok", "backends": backends}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -92,6 +140,7 @@ def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
         if speech.model not in model_ids:
             raise ModelNotFoundError(speech.model)
         request_id = request_id_of(request) or new_request_id()
+        arrived = time.monotonic()
         job = SpeechJob(
             request_id=request_id,
             model=speech.model,
@@ -103,11 +152,51 @@ def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
             stream_format=speech.stream_format,
             normalize=speech.normalize,
         )
-        prepared = await synthesizer.prepare(job)
-        encoder = make_encoder(speech.response_format, sample_rate=SAMPLE_RATE)
-        return SpeechStreamResponse(prepared, encoder, sse=speech.stream_format == "sse", request_id=request_id)
+        permit = admission.acquire(request.scope.get("state", {}).get("api_key_id"))
+        try:
+            prepared = await prepare_in_time(job)
+            encoder = make_encoder(speech.response_format, sample_rate=SAMPLE_RATE)
+        except BaseException as exc:
+            permit.release()
+            if isinstance(exc, Exception):
+                metrics.error(getattr(exc, "code", None) or "internal_error")
+            raise
+        guarded = GuardedSpeech(
+            prepared,
+            permit,
+            request_id=request_id,
+            arrived=arrived,
+            request_timeout_s=settings.request_timeout_s,
+            idle_timeout_s=settings.stream_idle_timeout_s,
+            metrics=metrics,
+        )
+        return AdmittedSpeechResponse(
+            guarded, encoder, sse=speech.stream_format == "sse", request_id=request_id, permit=permit
+        )
+
+    async def prepare_in_time(job: SpeechJob) -> Any:
+        """``synthesizer.prepare`` bounded by the idle timeout (it waits for the LLM's first token)."""
+        limits = [t for t in (settings.stream_idle_timeout_s, settings.request_timeout_s) if t > 0]
+        try:
+            return await asyncio.wait_for(synthesizer.prepare(job), min(limits) if limits else None)
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError("The speech backends did not start producing in time.") from None
 
     return app
+
+
+class AdmittedSpeechResponse(SpeechStreamResponse):
+    """Releases the admission permit when the response is done, even if the PCM iterator never ran."""
+
+    def __init__(self, *args: Any, permit: Permit, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.permit = permit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.permit.release()
 
 
 def speech_openapi() -> dict[str, Any]:

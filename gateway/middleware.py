@@ -7,10 +7,16 @@ Body limit: a ``Content-Length`` over the limit is answered 413 at once, without
 (uvicorn discards the rest of the upload and keeps the connection usable). A chunked body is counted
 as it is read and the request fails with 413 as soon as the count passes the limit, so an oversized
 upload is never buffered whole.
+
+Logs: the request id lives in a context variable for the request's task tree, and every log record
+gets it as ``record.request_id`` (``install_request_id_logging``), so any log line can carry it;
+``JsonFormatter`` writes one JSON object per line with it.
 """
 
 from __future__ import annotations
 
+import contextvars
+import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -22,6 +28,47 @@ from gateway.errors import InvalidRequestError, RequestTooLargeError
 log = logging.getLogger("gateway.middleware")
 
 REQUEST_ID_HEADER = b"x-request-id"
+
+#: The id of the request whose task is running (tasks created inside a request inherit it).
+current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+
+_factory_installed = False
+
+
+def install_request_id_logging() -> None:
+    """Give every log record a ``request_id`` attribute (None outside requests). Idempotent."""
+    global _factory_installed
+    if _factory_installed:
+        return
+    _factory_installed = True
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: object, **kwargs: object) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        if not hasattr(record, "request_id"):
+            record.request_id = current_request_id.get()
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request_id (for log pipelines).
+
+    Use it from a uvicorn ``--log-config`` file: ``formatters: {json: {(): gateway.middleware.JsonFormatter}}``.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "request_id": getattr(record, "request_id", None),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
 
 
 def new_request_id() -> str:
@@ -47,6 +94,13 @@ class RequestContextMiddleware:
 
         request_id = new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
+        token = current_request_id.set(request_id)
+        try:
+            await self._handle(scope, receive, send, request_id)
+        finally:
+            current_request_id.reset(token)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, request_id: str) -> None:
         limit = self.body_limit(scope.get("path", ""))
         response_started = False
         body_too_large = False
