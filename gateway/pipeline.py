@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from gateway.errors import APIError
+from gateway.errors import APIError, RateLimitedError
 from gateway.llm.client import LLMError, LLMUnavailable, SpeechTokenLLM
 from gateway.llm.prompt import CosyVoicePromptBuilder, LLMPrompt
 from gateway.normalize import default_normalizer
@@ -83,6 +85,14 @@ def backend_unavailable(what: str, detail: str) -> APIError:
 _END = object()  # end of one segment's token stream
 
 
+class BackendMetrics(Protocol):
+    """What the pipeline reports (``gateway.metrics.GatewayMetrics``, attached by the app)."""
+
+    def observe_llm_first_token(self, seconds: float) -> None: ...
+
+    def observe_token2wav_chunk(self, seconds: float) -> None: ...
+
+
 class SpeechPipeline:
     """``Synthesizer`` implementation over the real LLM and token2wav clients."""
 
@@ -105,6 +115,7 @@ class SpeechPipeline:
         self.context_tokens = context_tokens
         self.schedule = schedule
         self.sample_rate = sample_rate
+        self.metrics: BackendMetrics | None = None
         self.normalize_text = normalize_text  # default when a request does not say (gateway/normalize.py)
         self.normalizer = default_normalizer()
 
@@ -142,6 +153,9 @@ class SpeechPipeline:
     async def aclose(self) -> None:
         await self.llm.aclose()
         await self.token2wav.aclose()
+
+    def attach_metrics(self, metrics: BackendMetrics) -> None:
+        self.metrics = metrics
 
     async def ready(self) -> dict[str, bool]:
         """Per-backend reachability, for /ready."""
@@ -216,7 +230,15 @@ class PreparedSpeech:
         self._producer = asyncio.create_task(self._produce(), name=f"llm-{self._job.request_id}")
         if not self._queues:
             return
-        self._first = await self._queues[0].get()
+        asked = time.monotonic()
+        try:
+            self._first = await self._queues[0].get()
+        except BaseException:  # cancelled (timeout, shutdown): the LLM generation must not outlive us
+            self._cancel()
+            raise
+        metrics = self._pipeline.metrics
+        if metrics is not None and not isinstance(self._first, BaseException):
+            metrics.observe_llm_first_token(time.monotonic() - asked)
         if isinstance(self._first, BaseException):
             self._cancel()
             raise self._as_api_error(self._first)
@@ -246,6 +268,9 @@ class PreparedSpeech:
     def _as_api_error(exc: BaseException) -> Exception:
         if isinstance(exc, LLMUnavailable):
             return backend_unavailable("speech-token LLM", type(exc).__name__)
+        if isinstance(exc, Token2WavUnavailable) and "capacity" in str(exc):
+            # token2wav's own admission control ("capacity: N live streams"): overload, like ours.
+            return RateLimitedError("The speech backend is at capacity; retry shortly.", retry_after=1.0)
         if isinstance(exc, Token2WavUnavailable):
             return backend_unavailable("token2wav", str(exc) or type(exc).__name__)
         return exc
@@ -283,7 +308,10 @@ class PreparedSpeech:
                     finished = self._take(await queue.get(), pending)
                 while not finished and not queue.empty():  # token2wav fell behind: send all that is waiting
                     finished = self._take(queue.get_nowait(), pending)
+                sent = time.monotonic()
                 pcm = await stream.send(pending, final=finished)
+                if self._pipeline.metrics is not None:
+                    self._pipeline.metrics.observe_token2wav_chunk(time.monotonic() - sent)
                 pending = []
                 call += 1
                 if pcm.size:
