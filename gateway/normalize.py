@@ -38,8 +38,8 @@ _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _NEEDS_WORK = re.compile(r"[0-9０-９$€£¥￥%‰&@#+=°§~]")
 _MONEY_EN = re.compile(r"([$€£])\s?(\d+)\.(\d{2})\b")
 _MONEY_UNITS = {"$": ("dollars", "cents"), "€": ("euros", "cents"), "£": ("pounds", "pence")}
-_ONE_THOUSAND_GROUPED = re.compile(r"(?<![\d,.])1,(\d{3})(?![\d,])")
-_ONE_THOUSAND = re.compile(r"(?<![\d,.])1000(?![\d,.])")
+_ONE_THOUSAND_GROUPED = re.compile(r"(?<![\d,.])1,(\d{3})(?!\d|[,.]\d)")
+_ONE_THOUSAND = re.compile(r"(?<![\d,.])1000(?!\d|[,.]\d)")
 _MARKERS = ("<|", "|>")
 
 
