@@ -43,3 +43,56 @@ def test_numbers_are_not_cut_at_their_dot() -> None:
 def test_budget_must_be_positive() -> None:
     with pytest.raises(ValueError):
         split_into_segments("abc", 0, utf8_tokens)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Pi is 3.14 and e is 2.718.",
+        "About 1,000,000 people came.",
+        "We start at 10:30 sharp.",
+        "Visit https://example.com/a?b=1&c=2 now.",
+        "Dr. Smith and Mr. J. K. Rowling met on Jan. 5 in the U.S. office.",
+        "See e.g. the report, i.e. the long one.",
+    ],
+)
+def test_no_sentence_cut_inside_numbers_urls_or_after_abbreviations(text: str) -> None:
+    assert split_sentences(text) == [text]
+
+
+def test_cjk_sentences_need_no_space() -> None:
+    assert split_sentences("你好。我们在测试！真的吗？是的；好") == ["你好。", "我们在测试！", "真的吗？", "是的；", "好"]
+
+
+def test_sentence_ends_still_cut_after_ordinary_words() -> None:
+    text = "He met Dr. Who. Then he left! Did he? Yes. 3.5 is a number. Done."
+    assert split_sentences(text) == ["He met Dr. Who. ", "Then he left! ", "Did he? ", "Yes. ", "3.5 is a number. ", "Done."]
+
+
+def test_a_long_sentence_is_cut_at_clause_boundaries_not_inside_numbers() -> None:
+    text = "In 2024, we counted 1,000,000 birds, 3.14 kilometres away, at 10:30, near the lake, on a sunny day."
+    segments = split_into_segments(text, 12, len)
+    assert "".join(segments) == text
+    assert all(len(s) <= 12 for s in segments)
+    assert segments[0] == "In 2024, " and segments[-1].endswith("day.")
+    for number in ("2024", "1,000,000", "3.14", "10:30"):
+        assert any(number in s for s in segments)
+
+
+def test_clauses_are_preferred_to_spaces() -> None:
+    text = "first part of it, second part of it, third part of it."
+    assert split_into_segments(text, 40, len) == ["first part of it, second part of it, ", "third part of it."]
+
+
+def test_cjk_clause_punctuation_is_a_cut_point() -> None:
+    text = "我们今天在这里测试，一个非常长的句子，它有很多的分句，每个分句都不长。"
+    segments = split_into_segments(text, 12, len)
+    assert segments == ["我们今天在这里测试，", "一个非常长的句子，", "它有很多的分句，", "每个分句都不长。"]
+
+
+def test_an_unbroken_run_is_cut_between_cjk_characters_not_inside_a_number() -> None:
+    text = "无标点的长中文2024年3月5日无标点的长中文"
+    segments = split_into_segments(text, 8, len)
+    assert "".join(segments) == text
+    assert all(len(s) <= 8 for s in segments)
+    assert any("2024" in s for s in segments)
