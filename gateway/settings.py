@@ -66,6 +66,18 @@ class Settings(BaseSettings):
 
     # --- voices ---
     voices_dir: str = "var/voices"
+    voice_store: Literal["local", "redis"] = "local"
+    """Where custom voices and consents live: a directory, or Redis (shared by several gateways)."""
+    voice_store_dir: str = ""
+    """The local store's directory; empty means ``<voices_dir>/custom``."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "tts:"
+    voice_cache_size: int = 256
+    """Decoded custom voices kept in memory per gateway (LRU)."""
+    voice_encoder_dir: str = ""
+    """Folder with ``speech_tokenizer_v2_25hz.onnx`` and ``campplus.onnx``; empty disables voice creation (503)."""
+    voice_encoder_threads: int = 1
+    """Concurrent voice encodings per gateway (each runs in a worker thread)."""
 
     # --- reliability and operations (issue 7; see gateway/admission.py, gateway/auth.py) ---
     max_concurrent_streams: int = 32
