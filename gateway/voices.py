@@ -123,9 +123,11 @@ class VoiceRegistry:
     ``builtin/default.npz``. Entries are loaded once at start-up: they are small and immutable.
     """
 
-    def __init__(self, voices_dir: str | Path) -> None:
+    def __init__(self, voices_dir: str | Path, store: object | None = None) -> None:
         self.voices_dir = Path(voices_dir)
         self._builtin: dict[str, Voice] = {}
+        self.store = store
+        """Custom voices: a ``gateway.voice_store.VoiceStore`` (set by the voices routes), or None."""
 
     def load(self) -> None:
         folder = self.voices_dir / "builtin"
@@ -144,4 +146,11 @@ class VoiceRegistry:
                 return self._builtin[voice]
             except KeyError:
                 raise APIError(400, f"Unknown voice {voice!r}.", param="voice", code="invalid_value") from None
-        raise APIError(404, f"Voice {voice.get('id')!r} not found.", param="voice", code="voice_not_found")
+        from gateway.voice_store import is_voice_id  # local: voice_store imports this module
+
+        voice_id = voice.get("id")
+        if self.store is not None and is_voice_id(voice_id):
+            found = await self.store.get_voice(voice_id)  # type: ignore[attr-defined]
+            if found is not None:
+                return found
+        raise APIError(404, f"Voice {voice_id!r} not found.", param="voice", code="voice_not_found")

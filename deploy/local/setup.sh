@@ -15,6 +15,13 @@ VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 
 stamp_of() { cat "$@" 2>/dev/null | sha256sum | cut -c1-16; }
 
+# redis-server: the custom-voice store's tests run a real one (Debian package).
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "[setup] installing redis-server" >&2
+  SUDO=""; [[ "$(id -u)" == 0 ]] || SUDO="sudo"
+  $SUDO apt-get install -y -q redis-server >/dev/null || { $SUDO apt-get update -q && $SUDO apt-get install -y -q redis-server >/dev/null; }
+fi
+
 main_stamp="$(stamp_of pyproject.toml deploy/local/setup.sh)"
 if [[ "$(cat .venv/.stamp 2>/dev/null)" != "$main_stamp" ]]; then
   echo "[setup] creating .venv" >&2
