@@ -28,7 +28,7 @@ from gateway.audio import CONTENT_TYPES, make_encoder
 from gateway.auth import APIKeyMiddleware, load_api_keys
 from gateway.errors import InvalidRequestError, ModelNotFoundError, install_error_handlers, request_id_of
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import RequestContextMiddleware, install_request_id_logging, new_request_id
+from gateway.middleware import RequestContextMiddleware, new_request_id
 from gateway.routes_voices import install_voice_routes
 from gateway.schemas import ModelList, ModelObject, SpeechRequest, parse_speech_request
 from gateway.settings import Settings, get_settings
@@ -52,7 +52,6 @@ def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
     latency histograms. On shutdown in-flight streams drain (``settings.shutdown_drain_s``) before
     the backends close.
     """
-    install_request_id_logging()
     metrics = GatewayMetrics()
     admission = AdmissionController(
         max_total=settings.max_concurrent_streams,

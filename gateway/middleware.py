@@ -8,9 +8,10 @@ Body limit: a ``Content-Length`` over the limit is answered 413 at once, without
 as it is read and the request fails with 413 as soon as the count passes the limit, so an oversized
 upload is never buffered whole.
 
-Logs: the request id lives in a context variable for the request's task tree, and every log record
-gets it as ``record.request_id`` (``install_request_id_logging``), so any log line can carry it;
-``JsonFormatter`` writes one JSON object per line with it.
+Logs: the request id lives in a context variable for the request's task tree; ``RequestIdFilter``
+copies it into ``record.request_id`` and ``JsonFormatter`` writes one JSON object per line with it,
+so every log line of a request can carry its id (a filter, not a record factory, because some calls
+pass ``extra={"request_id": ...}`` themselves).
 """
 
 from __future__ import annotations
@@ -32,24 +33,16 @@ REQUEST_ID_HEADER = b"x-request-id"
 #: The id of the request whose task is running (tasks created inside a request inherit it).
 current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
-_factory_installed = False
 
 
-def install_request_id_logging() -> None:
-    """Give every log record a ``request_id`` attribute (None outside requests). Idempotent."""
-    global _factory_installed
-    if _factory_installed:
-        return
-    _factory_installed = True
-    previous = logging.getLogRecordFactory()
+class RequestIdFilter(logging.Filter):
+    """Sets ``record.request_id`` from the running request when the call did not pass one in
+    ``extra`` (attach it to a handler to use ``%(request_id)s`` in a format string)."""
 
-    def factory(*args: object, **kwargs: object) -> logging.LogRecord:
-        record = previous(*args, **kwargs)
-        if not hasattr(record, "request_id"):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
             record.request_id = current_request_id.get()
-        return record
-
-    logging.setLogRecordFactory(factory)
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -64,7 +57,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
-            "request_id": getattr(record, "request_id", None),
+            "request_id": getattr(record, "request_id", None) or current_request_id.get(),
         }
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
