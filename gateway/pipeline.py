@@ -26,12 +26,13 @@ import numpy as np
 from gateway.errors import APIError, RateLimitedError
 from gateway.llm.client import LLMError, LLMUnavailable, SpeechTokenLLM
 from gateway.llm.prompt import CosyVoicePromptBuilder, LLMPrompt
+from gateway.pools import Endpoint, EndpointPool
 from gateway.normalize import default_normalizer
 from gateway.segment import split_into_segments
 from gateway.settings import Settings
 from gateway.synth import SpeechJob, Usage
 from gateway.tempo import TempoStretcher
-from gateway.token2wav import Token2WavClient, Token2WavError, Token2WavUnavailable
+from gateway.token2wav import Token2WavClient, Token2WavError, Token2WavStream, Token2WavUnavailable
 from gateway.voices import Voice, VoiceRegistry
 
 log = logging.getLogger("gateway.pipeline")
@@ -94,13 +95,17 @@ class BackendMetrics(Protocol):
 
 
 class SpeechPipeline:
-    """``Synthesizer`` implementation over the real LLM and token2wav clients."""
+    """``Synthesizer`` implementation over the real LLM and token2wav clients.
+
+    ``llm`` and ``token2wav`` are endpoint pools (``gateway.pools``): each segment takes the least-busy
+    healthy LLM server and the least-busy healthy Triton; a single server is a pool of one.
+    """
 
     def __init__(
         self,
-        llm: SpeechTokenLLM,
+        llm: EndpointPool[SpeechTokenLLM],
         prompts: CosyVoicePromptBuilder,
-        token2wav: Token2WavClient,
+        token2wav: EndpointPool[Token2WavClient],
         voices: VoiceRegistry,
         *,
         context_tokens: int,
@@ -122,18 +127,27 @@ class SpeechPipeline:
     @classmethod
     def from_settings(cls, settings: Settings) -> SpeechPipeline:
         prompts = CosyVoicePromptBuilder(settings.llm_tokenizer_dir, context_tokens=settings.llm_context_tokens)
-        llm = SpeechTokenLLM(
-            settings.llm_url,
-            settings.llm_model,
-            prompts,
-            dialect=settings.llm_dialect,
-            timeout_s=settings.llm_timeout_s,
-            temperature=settings.llm_temperature,
-            top_p=settings.llm_top_p,
-            top_k=settings.llm_top_k,
-            repetition_penalty=settings.llm_repetition_penalty,
-        )
-        token2wav = Token2WavClient(settings.triton_url, settings.triton_model, timeout_s=settings.triton_timeout_s)
+        llms = [
+            SpeechTokenLLM(
+                url,
+                settings.llm_model,
+                prompts,
+                dialect=settings.llm_dialect,
+                timeout_s=settings.llm_timeout_s,
+                temperature=settings.llm_temperature,
+                top_p=settings.llm_top_p,
+                top_k=settings.llm_top_k,
+                repetition_penalty=settings.llm_repetition_penalty,
+            )
+            for url in settings.llm_endpoints()
+        ]
+        tritons = [Token2WavClient(url, settings.triton_model, timeout_s=settings.triton_timeout_s)
+                   for url in settings.triton_endpoints()]
+        health = {"health_interval_s": settings.pool_health_interval_s, "probe_timeout_s": settings.pool_probe_timeout_s}
+        llm = EndpointPool("llm", [(c.root_url, c) for c in llms], SpeechTokenLLM.ready,
+                           close=SpeechTokenLLM.aclose, **health)
+        token2wav = EndpointPool("token2wav", [(c.url, c) for c in tritons], Token2WavClient.ready,
+                                 close=Token2WavClient.aclose, **health)
         return cls(
             llm,
             prompts,
@@ -148,7 +162,9 @@ class SpeechPipeline:
         self.voices.load()
         if self.normalize_text:
             await asyncio.to_thread(self.normalizer.warm)
-        await self.llm.start()
+        for client in self.llm.clients:
+            await client.start()
+        await asyncio.gather(self.llm.start(), self.token2wav.start())
 
     async def aclose(self) -> None:
         await self.llm.aclose()
@@ -158,8 +174,8 @@ class SpeechPipeline:
         self.metrics = metrics
 
     async def ready(self) -> dict[str, bool]:
-        """Per-backend reachability, for /ready."""
-        llm_ok, token2wav_ok = await asyncio.gather(self.llm.ready(), self.token2wav.ready())
+        """Per-backend reachability (at least one endpoint of each), for /ready."""
+        llm_ok, token2wav_ok = await asyncio.gather(self.llm.check(), self.token2wav.check())
         return {"llm": llm_ok, "token2wav": token2wav_ok}
 
     async def prepare(self, job: SpeechJob) -> PreparedSpeech:
@@ -244,17 +260,34 @@ class PreparedSpeech:
             raise self._as_api_error(self._first)
 
     async def _produce(self) -> None:
-        llm = self._pipeline.llm
         for prompt, queue in zip(self._prompts, self._queues):
             try:
-                async with contextlib.aclosing(llm.stream(prompt)) as tokens:
-                    async for token in tokens:
-                        self.usage.output_tokens += 1
-                        queue.put_nowait(token)
+                await self._generate(prompt, queue)
             except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
                 queue.put_nowait(exc)
                 return
             queue.put_nowait(_END)
+
+    async def _generate(self, prompt: LLMPrompt, queue: asyncio.Queue[object]) -> None:
+        """One segment on the least-busy LLM server; a server that is unreachable before its first
+        token is marked down and the segment goes to the next one (nothing of it was used yet)."""
+        pool = self._pipeline.llm
+        tried: list[Endpoint[SpeechTokenLLM]] = []
+        while True:
+            async with pool.acquire(tried) as endpoint:
+                emitted = 0
+                try:
+                    async with contextlib.aclosing(endpoint.client.stream(prompt)) as tokens:
+                        async for token in tokens:
+                            emitted += 1
+                            self.usage.output_tokens += 1
+                            queue.put_nowait(token)
+                    return
+                except LLMUnavailable as exc:
+                    pool.mark_down(endpoint, exc)
+                    tried.append(endpoint)
+                    if emitted or len(tried) >= len(pool.endpoints):
+                        raise
 
     async def aclose(self) -> None:
         """Stop the LLM work even if ``pcm()`` was never iterated (e.g. the client left first)."""
@@ -300,7 +333,8 @@ class PreparedSpeech:
         finished = False
         if first is not None:
             finished = self._take(first, pending)
-        async with self._pipeline.token2wav.stream(self._voice) as stream:
+        async with contextlib.AsyncExitStack() as held:
+            stream: Token2WavStream | None = None
             call = 0
             while True:
                 needed = schedule.tokens_needed(call)
@@ -309,7 +343,10 @@ class PreparedSpeech:
                 while not finished and not queue.empty():  # token2wav fell behind: send all that is waiting
                     finished = self._take(queue.get_nowait(), pending)
                 sent = time.monotonic()
-                pcm = await stream.send(pending, final=finished)
+                if stream is None:
+                    stream, pcm = await self._open_stream(held, pending, finished)
+                else:
+                    pcm = await stream.send(pending, final=finished)
                 if self._pipeline.metrics is not None:
                     self._pipeline.metrics.observe_token2wav_chunk(time.monotonic() - sent)
                 pending = []
@@ -318,6 +355,37 @@ class PreparedSpeech:
                     yield pcm
                 if finished:
                     return
+
+    async def _open_stream(
+        self, held: contextlib.AsyncExitStack, tokens: list[int], final: bool
+    ) -> tuple[Token2WavStream, np.ndarray]:
+        """Start the segment's token2wav stream with its first chunk on the least-busy Triton.
+
+        The whole segment then stays on that Triton (it holds the stream's state). A Triton that is
+        unreachable or full for the first chunk is skipped (unreachable: also marked down) and the chunk
+        goes to the next one: no audio of the segment exists yet, so nothing is lost.
+        """
+        pool = self._pipeline.token2wav
+        tried: list[Endpoint[Token2WavClient]] = []
+        while True:
+            attempt = contextlib.AsyncExitStack()
+            endpoint = await attempt.enter_async_context(pool.acquire(tried))
+            try:
+                stream = await attempt.enter_async_context(endpoint.client.stream(self._voice))
+                pcm = await stream.send(tokens, final=final)
+            except Token2WavUnavailable as exc:
+                await attempt.aclose()
+                if "capacity" not in str(exc):
+                    pool.mark_down(endpoint, exc)
+                tried.append(endpoint)
+                if len(tried) >= len(pool.endpoints):
+                    raise
+                continue
+            except BaseException:
+                await attempt.aclose()
+                raise
+            held.push_async_exit(attempt)
+            return stream, pcm
 
     @staticmethod
     def _take(item: object, pending: list[int]) -> bool:

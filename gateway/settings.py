@@ -55,6 +55,16 @@ class Settings(BaseSettings):
     triton_model: str = "token2wav_dit"
     triton_timeout_s: float = 60.0
 
+    # --- endpoint pools (gateway/pools.py) ---
+    llm_urls: list[str] = []
+    """LLM servers to spread utterances over (JSON list); empty: the one ``llm_url``."""
+    triton_urls: list[str] = []
+    """token2wav Tritons (gRPC addresses, JSON list); empty: the one ``triton_url``."""
+    pool_health_interval_s: float = 2.0
+    """Seconds between background health probes of every endpoint (0: probe only at start)."""
+    pool_probe_timeout_s: float = 2.0
+    """A probe slower than this counts as a failure."""
+
     # --- streaming ---
     chunk_schedule: str = "exponential"
     """Named token-chunk schedule (see gateway/pipeline.py)."""
@@ -98,6 +108,12 @@ class Settings(BaseSettings):
     """Whether GET /metrics needs an API key (when auth is on)."""
     shutdown_drain_s: float = 30.0
     """On shutdown, how long the app waits for in-flight streams to finish before closing the backends."""
+
+    def llm_endpoints(self) -> list[str]:
+        return list(self.llm_urls) or [self.llm_url]
+
+    def triton_endpoints(self) -> list[str]:
+        return list(self.triton_urls) or [self.triton_url]
 
 
 @lru_cache
