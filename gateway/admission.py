@@ -113,6 +113,10 @@ class AdmissionController:
         if self.active == 0:
             self._idle.set()
 
+    def reopen(self) -> None:
+        """Accept streams again (app startup; an app object may be started again after a shutdown)."""
+        self.draining = False
+
     async def drain(self, deadline_s: float) -> bool:
         """Refuse new streams and wait up to ``deadline_s`` for those in flight; True when all ended."""
         self.draining = True

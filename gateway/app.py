@@ -65,6 +65,7 @@ def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        admission.reopen()
         start = getattr(synthesizer, "start", None)
         if start is not None:
             await start()
