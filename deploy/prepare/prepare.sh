@@ -57,4 +57,5 @@ fi
 if [[ -n "${VOICES_UID:-}" && "$(id -u)" == 0 ]]; then
   chown -R "$VOICES_UID" "$VOICES_DIR"  # the gateway (non-root) saves uploaded voices there
 fi
+date -u +%Y-%m-%dT%H:%M:%SZ > "$MODELS_DIR/.prepared"  # Kubernetes init containers wait for this
 log "done"
