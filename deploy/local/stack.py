@@ -28,7 +28,9 @@ from backends.llm.vllm_launcher import VLLMServer
 from backends.serving.cpus import shared_machine_split
 from backends.serving.triton import TritonServer
 from backends.token2wav.tiny import write_token2wav_dir
+from backends.voices.encoder import CAMPPLUS_FILE
 from backends.voices.presets import write_builtin_voices
+from backends.voices.tiny_onnx import write_tiny_encoder_models
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,6 +82,10 @@ def prepare_assets(cfg: StackConfig) -> tuple[Path, Path, Path]:
     if cfg.token2wav_dir is None and not (token2wav_dir / "flow.pt").exists():
         log(f"making a tiny random-weight token2wav in {token2wav_dir}")
         write_token2wav_dir(token2wav_dir, size="tiny", seed=0)
+    if cfg.token2wav_dir is None and not (token2wav_dir / CAMPPLUS_FILE).exists():
+        log(f"making tiny random voice encoder models (custom voices) in {token2wav_dir}")
+        write_tiny_encoder_models(token2wav_dir, seed=0)
+    cfg.gateway_env.setdefault("TTS_VOICE_ENCODER_DIR", str(token2wav_dir))  # its ONNX files encode uploaded voices
     llm_dir = cfg.llm_dir or cfg.var_dir / "models" / "llm"
     if cfg.llm_dir is None and not (llm_dir / "config.json").exists():
         log(f"making a tiny random-weight CosyVoice2 LLM in {llm_dir}")
