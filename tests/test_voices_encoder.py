@@ -114,3 +114,62 @@ def test_model_hash_changes_with_the_models(tmp_path: Path) -> None:
     a, b = write_tiny_encoder_models(tmp_path / "a", seed=1), write_tiny_encoder_models(tmp_path / "b", seed=2)
     assert model_files_hash(a) != model_files_hash(b)
     assert model_files_hash(a) == model_files_hash(write_tiny_encoder_models(tmp_path / "c", seed=1))
+
+
+# --- built-in presets from wav + transcript pairs and from a CosyVoice2 spk2info.pt --------------------
+
+
+def wav_bytes(audio: np.ndarray, rate: int) -> bytes:
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as out:
+        stream = out.add_stream("pcm_s16le", rate=rate)
+        stream.layout = "mono"
+        frame = av.AudioFrame.from_ndarray((audio * 32767).astype(np.int16).reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            out.mux(packet)
+    return buf.getvalue()
+
+
+async def test_presets_from_wav_and_transcript(tmp_path: Path) -> None:
+    from backends.voices.import_presets import import_wav_dir
+    from gateway.voices import VoiceRegistry
+
+    encoder_dir = write_tiny_encoder_models(tmp_path / "enc")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "default.wav").write_bytes(wav_bytes(golden_audio(2.0, 24_000), 24_000))
+    (src / "alloy.wav").write_bytes(wav_bytes(golden_audio(3.0, 24_000, seed=2), 24_000))
+    (src / "alloy.txt").write_text("This is alloy speaking.\n", encoding="utf-8")
+    written = import_wav_dir(src, tmp_path / "voices", encoder_dir)
+    assert sorted(p.name for p in written) == ["alloy.npz", "default.npz"]
+    registry = VoiceRegistry(tmp_path / "voices")
+    registry.load()
+    alloy, echo = await registry.resolve("alloy"), await registry.resolve("echo")
+    assert alloy.prompt_text == "This is alloy speaking." and abs(alloy.prompt_tokens.size - 75) <= 1
+    assert echo.id == "default" and echo.prompt_text == "" and alloy.model_hash == model_files_hash(encoder_dir)
+
+
+def test_presets_from_cosyvoice2_spk2info(tmp_path: Path) -> None:
+    from backends.voices.import_presets import import_spk2info
+    from gateway.voices import load_voice
+
+    rng = np.random.default_rng(0)
+    zero_shot = {
+        "prompt_text": "hello",  # upstream stores LLM token ids; a plain string is accepted too
+        "flow_prompt_speech_token": torch.from_numpy(rng.integers(0, 6561, (1, 40), dtype=np.int32)),
+        "prompt_speech_feat": torch.from_numpy(rng.normal(size=(1, 81, 80)).astype(np.float32)),
+        "flow_embedding": torch.from_numpy(rng.normal(size=(1, 192)).astype(np.float32)),
+    }
+    sft_only = {"embedding": torch.zeros(1, 192)}
+    torch.save({"speaker_a": zero_shot, "sft": sft_only}, tmp_path / "spk2info.pt")
+    written = import_spk2info(tmp_path / "spk2info.pt", tmp_path / "voices")
+    assert [p.name for p in written] == ["speaker_a.npz"]
+    voice = load_voice(written[0])
+    assert voice.prompt_text == "hello" and voice.prompt_tokens.size == 40 and voice.prompt_mel.shape == (80, 80)
+    np.testing.assert_array_equal(voice.prompt_tokens, zero_shot["flow_prompt_speech_token"].numpy()[0])
+    assert voice.model_hash.startswith("spk2info:")
