@@ -15,6 +15,8 @@ import asyncio
 import json
 import logging
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -284,6 +286,18 @@ def install_voice_routes(app: FastAPI, settings: Settings, synthesizer: object) 
         registry.store = service.store
     app.state.voice_service = service
     app.include_router(build_router(service))
+    app_lifespan = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan_closing_the_store(a: FastAPI) -> AsyncIterator[Any]:
+        """The app's own lifespan, then the store's connections closed (Redis) at shutdown."""
+        async with app_lifespan(a) as state:
+            try:
+                yield state
+            finally:
+                await service.store.aclose()
+
+    app.router.lifespan_context = lifespan_closing_the_store
     return service
 
 
