@@ -101,6 +101,28 @@ def new_correlation_id() -> int:
     return secrets.randbits(63) or 1
 
 
+#: gRPC reconnects a broken channel with exponential backoff that grows to 120 s by default, so after
+#: a Triton restart requests could keep failing for minutes. A 1 s cap lets the gateway notice the
+#: restarted server within about a second (without being restarted itself).
+RECONNECT_BACKOFF_MS = {"initial": 100, "min": 100, "max": 1000}
+
+
+def channel_args() -> list[tuple[str, int]]:
+    """tritonclient's default channel options plus the short reconnect backoff."""
+    from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions
+
+    keepalive = KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        *((f"grpc.{name}_reconnect_backoff_ms", ms) for name, ms in RECONNECT_BACKOFF_MS.items()),
+    ]
+
+
 class Token2WavClient:
     """One gRPC channel to one Triton; make many ``stream()``s over it concurrently."""
 
@@ -115,7 +137,7 @@ class Token2WavClient:
         """Made on first use: a grpc.aio channel belongs to the event loop it was created in, and the
         client object may be built before the server's loop runs (uvicorn imports the app first)."""
         if self._grpc_client is None:
-            self._grpc_client = grpcclient.InferenceServerClient(url=self.url)
+            self._grpc_client = grpcclient.InferenceServerClient(url=self.url, channel_args=channel_args())
         return self._grpc_client
 
     async def ready(self) -> bool:
