@@ -159,12 +159,16 @@ def test_openai_sdk_retries_a_429_and_then_succeeds() -> None:
     settings = Settings(max_concurrent_streams=1, admission_retry_after_s=1)
     with serve(settings, synth) as url:
         with held_streams(url, 1):
-            # Release the held stream a moment after the SDK's first attempt was refused.
-            timer = threading.Timer(0.3, synth.release_all)
-            timer.start()
+            # Release the held stream once the SDK's first attempt was refused (its retry then fits).
+            def release_after_refusal() -> None:
+                wait_until(lambda: metric(url, "tts_errors_total", type="rate_limited") >= 1, "a 429")
+                synth.release_all()
+
+            releaser = threading.Thread(target=release_after_refusal, daemon=True)
+            releaser.start()
             sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=HANG_S, max_retries=5)
             audio = sdk.audio.speech.create(model="tts-1", voice="alloy", input="hi", response_format="pcm")
-            timer.join()
+            releaser.join(HANG_S)
         assert len(audio.content) == 2 * CHUNK * CHUNKS
         assert metric(url, "tts_errors_total", type="rate_limited") >= 1
 
@@ -202,7 +206,7 @@ def test_idle_timeout_mid_sse_stream_ends_with_an_error_event() -> None:
 
 def test_request_timeout_bounds_a_slow_stream() -> None:
     synth = OpsSynthesizer()
-    with serve(Settings(request_timeout_s=0.5, stream_idle_timeout_s=0), synth) as url:
+    with serve(Settings(request_timeout_s=1.0, stream_idle_timeout_s=0), synth) as url:
         with httpx.Client(timeout=HANG_S) as client:
             with client.stream("POST", f"{url}/v1/audio/speech", json=speech("[slow]")) as response:
                 assert response.status_code == 200
