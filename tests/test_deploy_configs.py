@@ -125,11 +125,29 @@ def test_nvidia_images_are_pinned(compose: dict) -> None:
 def test_gateway_image_installs_without_torch() -> None:
     dockerfile = (ROOT / "deploy" / "docker" / "gateway.Dockerfile").read_text()
     assert "pip install .\n" in dockerfile.replace(" \\\n", "\n") and "torch must not be" in dockerfile
-    # The gateway's own dependencies (what `pip install .` installs) name no torch.
+    # What `pip install .` installs: the project's dependencies and theirs (as installed here), no torch.
     import tomllib
+    from importlib import metadata
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert not [d for d in deps if re.match(r"torch\b", d)]
+    from packaging.requirements import Requirement
+
+    pending = [Requirement(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    visited: set[tuple[str, frozenset[str]]] = set()
+    seen: set[str] = set()
+    while pending:
+        requirement = pending.pop()
+        name = requirement.name.lower().replace("_", "-")
+        if (name, frozenset(requirement.extras)) in visited:
+            continue
+        visited.add((name, frozenset(requirement.extras)))
+        seen.add(name)
+        extras = [{"extra": e} for e in requirement.extras] or [{"extra": ""}]
+        for raw in metadata.distribution(requirement.name).requires or []:
+            dependency = Requirement(raw)
+            if dependency.marker is None or any(dependency.marker.evaluate(e) for e in extras):
+                pending.append(dependency)
+    assert {"fastapi", "tritonclient", "av", "numpy"} <= seen
+    assert "torch" not in seen, "a gateway dependency pulls in torch"
 
 
 def test_compose_llm_flags_match_llm_yaml(compose: dict) -> None:
