@@ -2,13 +2,12 @@
 
 The local stack makes tiny ONNX voice encoder models beside its tiny token2wav and points the
 gateway at them (``deploy/local/stack.py``), exactly as ``make run`` does, so this is the path a
-user takes. vLLM is the session's shared one; Triton and the gateway are this module's own.
+user takes. The stack is the process-wide shared one (tests/support/stack_fixture.py).
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 
 import av
 import httpx
@@ -16,28 +15,10 @@ import numpy as np
 import openai
 import pytest
 
-from backends.llm.vllm_launcher import free_port
-from deploy.local.stack import GatewayProcess, StackConfig, local_stack
-from tests.support.vllm_fixture import shared_vllm
+from deploy.local.stack import GatewayProcess
+from tests.support.stack_fixture import stack  # noqa: F401  (pytest fixture: ONE stack per process)
 
 SAMPLES_PER_TOKEN = 960  # 2 mel frames x 480 samples at 24 kHz
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    llm = shared_vllm()
-    cfg = StackConfig(
-        var_dir=tmp_path_factory.mktemp("voices_stack"),
-        llm_dir=llm.model_dir,
-        external_llm_url=llm.base_url,
-        llm_served_name=llm.model_name,
-        gateway_port=free_port(),
-        triton_http_port=free_port(),
-        triton_grpc_port=free_port(),
-        triton_metrics_port=free_port(),
-    )
-    with local_stack(cfg) as gateway:
-        yield gateway
 
 
 def sample_wav(seconds: float = 3.0) -> bytes:
