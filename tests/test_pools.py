@@ -94,14 +94,14 @@ async def test_health_loop_marks_down_and_up_again() -> None:
         a, b = pool.endpoints
         assert a.healthy and b.healthy
         b.client.up = False
-        for _ in range(200):
+        for _ in range(1000):  # generous: a loaded machine may delay the loop
             if not b.healthy:
                 break
             await asyncio.sleep(0.02)
         assert not b.healthy and b.failures >= 1
         assert await pool.check()  # a still serves
         b.client.up = True
-        for _ in range(200):
+        for _ in range(1000):  # generous: a loaded machine may delay the loop
             if b.healthy:
                 break
             await asyncio.sleep(0.02)
@@ -189,17 +189,17 @@ async def test_two_tritons_one_killed_requests_keep_succeeding(two_tritons: list
         pool = pipeline.token2wav
         by_url = {e.name: e for e in pool.endpoints}
         assert all(e.healthy for e in pool.endpoints)
-        for i in range(4):
+        for i in range(3):
             await synthesize(pipeline, i)
         assert by_url[alive.grpc_url].acquired >= 1 and by_url[doomed.grpc_url].acquired >= 1  # both served
 
         os.killpg(doomed._process.pid, signal.SIGKILL)  # the whole server, stubs included
         doomed._process.wait(timeout=30)
         before = by_url[alive.grpc_url].acquired
-        for i in range(4, 10):
+        for i in range(3, 7):
             await synthesize(pipeline, i)  # the dead one is found by the request path and skipped
         assert not by_url[doomed.grpc_url].healthy
-        assert by_url[alive.grpc_url].acquired - before == 6
+        assert by_url[alive.grpc_url].acquired - before == 4
         assert all(e.active == 0 for e in pool.endpoints)
         assert await pipeline.ready() == {"llm": True, "token2wav": True}
     finally:
