@@ -185,11 +185,34 @@ def paging(request: Request, id_check: Any) -> tuple[str | None, int]:
     return after, limit
 
 
+def multipart_body(fields: dict[str, dict[str, Any]], required: list[str]) -> dict[str, Any]:
+    """``openapi_extra`` for a route that parses its multipart body itself (so /docs shows the form)."""
+    schema = {"type": "object", "properties": fields, "required": required}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": schema}}}}
+
+
+BINARY = {"type": "string", "format": "binary"}
+VOICE_FORM = multipart_body(
+    {
+        "name": {"type": "string"},
+        "audio_sample": {**BINARY, "description": "1-30 s, <= 10 MiB; mpeg wav ogg aac flac webm mp4"},
+        "consent": {"type": "string", "description": "a consent id, cons_..."},
+        "type": {"type": "string", "enum": ["audio_sample"]},
+        "transcript": {"type": "string", "description": "extension: the words spoken in audio_sample"},
+    },
+    ["name", "audio_sample", "consent"],
+)
+CONSENT_FORM = multipart_body(
+    {"name": {"type": "string"}, "language": {"type": "string", "description": "BCP 47"}, "recording": BINARY},
+    ["name", "language", "recording"],
+)
+
+
 def build_router(service: VoiceService) -> APIRouter:
     router = APIRouter()
     store = service.store
 
-    @router.post("/v1/audio/voices")
+    @router.post("/v1/audio/voices", openapi_extra=VOICE_FORM)
     async def create_voice(request: Request) -> dict[str, Any]:
         form = await read_form(request)
         kind = text_field(form, "type", required=False, max_chars=32) or "audio_sample"
@@ -218,7 +241,7 @@ def build_router(service: VoiceService) -> APIRouter:
             raise NotFoundError(f"Voice {voice_id!r} not found.", param="voice_id", code="voice_not_found")
         return {"id": voice_id, "object": "audio.voice.deleted", "deleted": True}
 
-    @router.post("/v1/audio/voice_consents")
+    @router.post("/v1/audio/voice_consents", openapi_extra=CONSENT_FORM)
     async def create_consent(request: Request) -> dict[str, Any]:
         form = await read_form(request)
         name = text_field(form, "name", required=True, max_chars=MAX_NAME_CHARS)
