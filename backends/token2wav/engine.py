@@ -159,7 +159,9 @@ class Token2WavEngine:
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.flow = flow.to(device=self.device, dtype=self.dtype).eval()
-        self.hift = hift.to(device=self.device, dtype=self.dtype).eval()
+        # HiFT keeps its F0 predictor and source path in fp32 (rounding F0 detunes the harmonics):
+        # set_compute_dtype casts only the rest.
+        self.hift = hift.to(device=self.device).set_compute_dtype(self.dtype).eval()
         self.n_timesteps = n_timesteps
         self.mel_channels = self.flow.output_size
         self.lookahead = self.flow.pre_lookahead_len
@@ -239,7 +241,8 @@ class Token2WavEngine:
             seed=int(seed),
             flow_noise=FrameNoise(seed, self.mel_channels),
             # a different stream of numbers than the flow noise, still a function of the seed only
-            hift_generator=torch.Generator().manual_seed(int(seed) ^ 0x48494654),
+            # on the engine's device: drawing NSF noise on the host and copying costs ms per chunk on a GPU
+            hift_generator=torch.Generator(device=self.device).manual_seed(int(seed) ^ 0x48494654),
             flow_cache=voice.prompt_cache,
         )
 
