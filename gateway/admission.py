@@ -34,6 +34,13 @@ class RequestTimeoutError(APIError):
         super().__init__(504, message, type="server_error", code="timeout")
 
 
+class ClientClosedRequest(APIError):
+    """The client left before any audio (nginx's 499; nobody reads it, it only ends the request)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "The client closed the request.", code="cancelled")
+
+
 class Permit:
     """One admitted stream's slot; ``release()`` is idempotent."""
 

@@ -12,6 +12,7 @@ model) instead of letting FastAPI parse it, so every failure is the OpenAI envel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -23,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway import sse
-from gateway.admission import AdmissionController, GuardedSpeech, Permit, RequestTimeoutError
+from gateway.admission import AdmissionController, ClientClosedRequest, GuardedSpeech, Permit, RequestTimeoutError
 from gateway.audio import CONTENT_TYPES, make_encoder
 from gateway.auth import APIKeyMiddleware, load_api_keys
 from gateway.errors import InvalidRequestError, ModelNotFoundError, install_error_handlers, request_id_of
@@ -155,7 +156,7 @@ def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
         )
         permit = admission.acquire(request.scope.get("state", {}).get("api_key_id"))
         try:
-            prepared = await prepare_in_time(job)
+            prepared = await prepare_unless_gone(request, job)
             encoder = make_encoder(speech.response_format, sample_rate=SAMPLE_RATE)
         except BaseException as exc:
             permit.release()
@@ -174,6 +175,25 @@ def create_app(settings: Settings, synthesizer: Synthesizer) -> FastAPI:
         return AdmittedSpeechResponse(
             guarded, encoder, sse=speech.stream_format == "sse", request_id=request_id, permit=permit
         )
+
+    async def prepare_unless_gone(request: Request, job: SpeechJob) -> Any:
+        """``prepare_in_time``, cancelled as soon as the client disconnects (the body was read, so
+        the next ASGI message is the disconnect): a client that leaves while the LLM has not yet
+        produced its first token does not keep the generation running until it does."""
+        preparing = asyncio.ensure_future(prepare_in_time(job))
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({preparing, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not preparing.done():
+                preparing.cancel()
+        if preparing.done() and not preparing.cancelled():
+            return preparing.result()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await preparing
+        log.info("request %s: client disconnected before the first audio", job.request_id)
+        raise ClientClosedRequest()
 
     async def prepare_in_time(job: SpeechJob) -> Any:
         """``synthesizer.prepare`` bounded by the idle timeout (it waits for the LLM's first token)."""
@@ -199,6 +219,11 @@ class AdmittedSpeechResponse(SpeechStreamResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.permit.release()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def speech_openapi() -> dict[str, Any]:

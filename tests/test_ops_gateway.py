@@ -173,6 +173,17 @@ def test_openai_sdk_retries_a_429_and_then_succeeds() -> None:
         assert metric(url, "tts_errors_total", type="rate_limited") >= 1
 
 
+def test_client_leaving_before_the_first_audio_cancels_prepare_at_once() -> None:
+    synth = OpsSynthesizer()
+    with serve(Settings(stream_idle_timeout_s=0, request_timeout_s=0), synth) as url:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while prepare waits (no timeout set)
+            httpx.post(f"{url}/v1/audio/speech", json=speech("[stall-prepare]"), timeout=0.5)
+        assert synth.prepare_cancelled.wait(HANG_S), "prepare kept running after the client left"
+        wait_until(lambda: metric(url, "tts_active_streams") == 0, "the slot to be released")
+        assert metric(url, "tts_errors_total", type="cancelled") == 1
+        assert httpx.post(f"{url}/v1/audio/speech", json=speech(), timeout=HANG_S).status_code == 200
+
+
 def test_token2wav_capacity_error_maps_to_429_and_outage_to_503() -> None:
     capacity = PreparedSpeech._as_api_error(
         Token2WavUnavailable("[token2wav:unavailable] capacity: 8 live streams (max_live_streams=8)"))

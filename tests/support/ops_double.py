@@ -3,6 +3,8 @@
 Behaviour is picked by a marker in the input text:
 - ``[hold]``: one chunk, then waits until the test calls ``release_all()`` (a stream held open);
 - ``[stall]``: never produces audio; ``[stall-after]``: one chunk, then nothing;
+- ``[stall-prepare]``: ``prepare`` itself never returns (an LLM that never gives its first token);
+  ``prepare_cancelled`` is set when the gateway gives up on it;
 - ``[slow]``: ``SLOW_CHUNKS`` chunks, ``SLOW_GAP_S`` apart (a stream that is in flight for a while);
 - anything else: ``CHUNKS`` chunks at once.
 
@@ -68,8 +70,15 @@ class OpsSynthesizer:
         self.prepared: list[OpsSpeech] = []
         self.release = threading.Event()
         self.backends = ready if ready is not None else {"llm": True, "token2wav": True}
+        self.prepare_cancelled = threading.Event()
 
     async def prepare(self, job: SpeechJob) -> OpsSpeech:
+        if "[stall-prepare]" in job.input:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.prepare_cancelled.set()
+                raise
         behaviour = next((m for m in self.MARKERS if f"[{m}]" in job.input), "normal")
         speech = OpsSpeech(job, Usage(input_tokens=1), behaviour, self.release)
         self.prepared.append(speech)
