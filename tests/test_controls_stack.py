@@ -26,10 +26,7 @@ from backends.llm.vllm_launcher import free_port
 from deploy.local.stack import GatewayProcess
 from gateway.llm import vocab
 
-try:  # the session stack fixture may move to tests/support; import it from wherever it lives
-    from tests.support.stack_fixture import stack  # type: ignore[import-not-found]  # noqa: F401
-except ImportError:
-    from tests.test_e2e_stack import stack  # noqa: F401
+from tests.support.stack_fixture import stack  # noqa: F401  (pytest fixture: ONE stack per process)
 
 SAMPLES_PER_TOKEN = 960
 
