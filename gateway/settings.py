@@ -96,8 +96,10 @@ class Settings(BaseSettings):
     """Speech streams in flight per API key (only when auth is on; 0 = no limit)."""
     admission_retry_after_s: float = 1.0
     """Retry-After sent with admission 429s and token2wav capacity 429s."""
-    request_timeout_s: float = 600.0
-    """Longest one speech request may take, first byte to last (0 = no limit)."""
+    request_timeout_s: float = 1800.0
+    """Longest one speech request may take, first byte to last (0 = no limit). A 4096-character
+    input is up to ~15 min of audio, and a client that reads at playback speed takes that long:
+    30 min leaves room for it; hangs are caught by the idle timeout."""
     stream_idle_timeout_s: float = 120.0
     """Longest wait for the next audio chunk, including the first (0 = no limit)."""
     api_keys: SecretStr = SecretStr("")
