@@ -142,7 +142,8 @@ _TYPE_NAMES = {
 }
 
 
-def _json_type_name(value: Any) -> str:
+def json_type_name(value: Any) -> str:
+    """How OpenAI's error messages name a JSON value's type."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -177,7 +178,7 @@ def validation_error_to_api_error(errors: list[dict[str, Any]], *, skip_loc_pref
         )
     if kind in _TYPE_NAMES:
         return InvalidRequestError(
-            f"Invalid type for '{param}': expected {_TYPE_NAMES[kind]}, but got {_json_type_name(value)} instead.",
+            f"Invalid type for '{param}': expected {_TYPE_NAMES[kind]}, but got {json_type_name(value)} instead.",
             param=param,
             code="invalid_type",
         )

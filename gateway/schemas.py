@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from gateway.audio import FORMATS
-from gateway.errors import validation_error_to_api_error
+from gateway.errors import json_type_name, validation_error_to_api_error
 from gateway.voices import BUILTIN_VOICES
 
 MAX_INPUT_CHARS = 4096
@@ -29,22 +29,6 @@ StreamFormat = Literal["audio", "sse"]
 assert set(FORMATS) == set(ResponseFormat.__args__)  # type: ignore[attr-defined]
 
 
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
 def _shown(value: Any) -> str:
     """A client value quoted in an error message, cut short."""
     text = repr(value)
@@ -55,7 +39,7 @@ def _invalid_type(field: str, expected: str, value: Any) -> PydanticCustomError:
     return PydanticCustomError(
         "invalid_type",
         "Invalid type for '{field}': expected {expected}, but got {got} instead.",
-        {"field": field, "expected": expected, "got": _type_name(value)},
+        {"field": field, "expected": expected, "got": json_type_name(value)},
     )
 
 
