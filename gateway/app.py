@@ -2,7 +2,8 @@
 
 ``create_app(settings, synthesizer)`` builds the FastAPI app around any ``Synthesizer`` (tests pass
 doubles); ``gateway.app:app`` is the production app for uvicorn, built on first access from
-``get_settings()`` with the real synthesizer (see ``build_synthesizer``).
+``get_settings()`` with the real synthesizer (see ``build_synthesizer``); building it also sets up
+the process's logging (``gateway.logs``: JSON lines carrying the request id by default).
 
 ``POST /v1/audio/speech`` reads and checks the body itself (Content-Type, JSON, object, schema,
 model) instead of letting FastAPI parse it, so every failure is the OpenAI envelope with the right
@@ -28,6 +29,7 @@ from gateway.admission import AdmissionController, ClientClosedRequest, GuardedS
 from gateway.audio import CONTENT_TYPES, make_encoder
 from gateway.auth import APIKeyMiddleware, load_api_keys
 from gateway.errors import InvalidRequestError, ModelNotFoundError, install_error_handlers, request_id_of
+from gateway.logs import configure_logging
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware, new_request_id
 from gateway.routes_voices import install_voice_routes
@@ -287,6 +289,7 @@ def __getattr__(name: str) -> Any:
     if name == "app":
         if _app is None:
             settings = get_settings()
+            configure_logging(settings.log_format, settings.log_level)  # after uvicorn's own set-up
             _app = create_app(settings, build_synthesizer(settings))
         return _app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,10 +8,11 @@ Body limit: a ``Content-Length`` over the limit is answered 413 at once, without
 as it is read and the request fails with 413 as soon as the count passes the limit, so an oversized
 upload is never buffered whole.
 
-Logs: the request id lives in a context variable for the request's task tree; ``RequestIdFilter``
-copies it into ``record.request_id`` and ``JsonFormatter`` writes one JSON object per line with it,
-so every log line of a request can carry its id (a filter, not a record factory, because some calls
-pass ``extra={"request_id": ...}`` themselves).
+Logs: the request id lives in a context variable for the request's task tree (tasks and threads
+started while handling it inherit it); ``RequestIdFilter`` copies it into ``record.request_id`` and
+``JsonFormatter`` writes one JSON object per line with it, so every log line of a request carries its
+id (a filter, not a record factory, because some calls pass ``extra={"request_id": ...}`` themselves).
+``gateway.logs.configure_logging`` installs both (``TTS_LOG_FORMAT``, ``TTS_LOG_LEVEL``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextvars
 import json
 import logging
 import uuid
+from datetime import datetime, timezone
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,7 +36,6 @@ REQUEST_ID_HEADER = b"x-request-id"
 current_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
 
-
 class RequestIdFilter(logging.Filter):
     """Sets ``record.request_id`` from the running request when the call did not pass one in
     ``extra`` (attach it to a handler to use ``%(request_id)s`` in a format string)."""
@@ -46,22 +47,30 @@ class RequestIdFilter(logging.Filter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, request_id (for log pipelines).
+    """One JSON object per line: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``message``,
+    ``request_id`` (when known) and ``exception`` (the traceback, when there is one).
 
-    Use it from a uvicorn ``--log-config`` file: ``formatters: {json: {(): gateway.middleware.JsonFormatter}}``.
+    Installed by ``gateway.logs.configure_logging``; usable from a uvicorn ``--log-config`` file too:
+    ``formatters: {json: {(): gateway.middleware.JsonFormatter}}``.
     """
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": self.formatTime(record),
+        entry: dict[str, object] = {
+            "time": datetime.fromtimestamp(record.created, tz=timezone.utc).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
-            "request_id": getattr(record, "request_id", None) or current_request_id.get(),
         }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
+        request_id = getattr(record, "request_id", None) or current_request_id.get()
+        if request_id:
+            entry["request_id"] = request_id
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            entry["exception"] = record.exc_text
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, default=str)
 
 
 def new_request_id() -> str:

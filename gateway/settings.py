@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import SecretStr
+from pydantic import SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -110,6 +110,18 @@ class Settings(BaseSettings):
     """Whether GET /metrics needs an API key (when auth is on)."""
     shutdown_drain_s: float = 30.0
     """On shutdown, how long the app waits for in-flight streams to finish before closing the backends."""
+
+    # --- logs (gateway/logs.py) ---
+    log_format: Literal["json", "text"] = "json"
+    """``json``: one JSON object per line (time, level, logger, message, request_id, exception), for log
+    pipelines; ``text``: one readable line per record. Applies to uvicorn's own records too."""
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    """Least severe level written (uvicorn's own loggers keep its ``--log-level``)."""
+
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _lowercase(cls, value: object) -> object:
+        return value.strip().lower() if isinstance(value, str) else value
 
     def llm_endpoints(self) -> list[str]:
         return list(self.llm_urls) or [self.llm_url]

@@ -146,6 +146,7 @@ def gateway_env(cfg: StackConfig, llm_dir: Path, voices_dir: Path, llm_url: str,
         "TTS_LLM_TOKENIZER_DIR": str(llm_dir),
         "TTS_TRITON_URL": triton_grpc,
         "TTS_VOICES_DIR": str(voices_dir),
+        "TTS_LOG_FORMAT": "json",  # one JSON object per line in logs/gateway.log, request ids included
         **cfg.gateway_env,
     }
 
