@@ -7,7 +7,8 @@ it works offline and needs no torch (only ``kaldifst``).
 
 Why it is wrapped the way it is:
 - Cost. One call costs ~5-10 ms per sentence of CPU (FST composition), ~1 s for 4000 characters, so
-  ``anormalize`` runs it in a worker thread and never on the event loop.
+  ``anormalize`` runs it in a worker thread and never on the event loop, and the pipeline normalizes
+  only the head of a long input before the LLM starts (the tail in a thread while it generates).
 - Robustness. The grammars raise on some inputs (e.g. "+1" or a sentence mixing Chinese and English
   with digits under the English grammar). We normalize sentence by sentence and keep a sentence as it
   was when its normalization fails, so one odd sentence never fails a request or loses the rest.
@@ -64,6 +65,10 @@ def _adds_markers(before: str, after: str) -> bool:
     return any(after.count(m) > before.count(m) for m in _MARKERS)
 
 
+class NormalizationStopped(Exception):
+    """``TextNormalizer.normalize`` was stopped through its ``stop`` event: there is no result."""
+
+
 class TextNormalizer:
     """Sentence-wise English/Chinese text normalization over ``wetext``; thread-safe, loaded lazily."""
 
@@ -86,9 +91,18 @@ class TextNormalizer:
         """Load the grammars (blocking; call from a thread at startup so the first request is fast)."""
         self._load()
 
-    def normalize(self, text: str) -> str:
-        """Spoken form of ``text`` (blocking, CPU-bound: ~5-10 ms per sentence with numbers)."""
-        return "".join(self._sentence(s) for s in split_sentences(text))
+    def normalize(self, text: str, stop: threading.Event | None = None) -> str:
+        """Spoken form of ``text`` (blocking, CPU-bound: ~5-10 ms per sentence with numbers).
+
+        ``stop``: checked between sentences; once set, raises ``NormalizationStopped`` (a thread cannot
+        be cancelled, so a request that went away sets it to end its long normalization early).
+        """
+        spoken = []
+        for sentence in split_sentences(text):
+            if stop is not None and stop.is_set():
+                raise NormalizationStopped
+            spoken.append(self._sentence(sentence))
+        return "".join(spoken)
 
     async def anormalize(self, text: str) -> str:
         """``normalize`` in a worker thread, so the event loop keeps serving other streams."""

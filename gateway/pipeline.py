@@ -1,14 +1,19 @@
 """The speech pipeline: LLM speech tokens → chunk schedule → token2wav gRPC stream → PCM.
 
 Per request:
-- the input is cut into segments that fit the LLM context (``gateway.segment``);
+- the input is normalized (``gateway.normalize``) and cut into segments that fit the LLM context
+  (``gateway.segment``). Only its head (the first ``HEAD_CHARS`` characters, to a sentence end) is
+  prepared before the LLM starts; the tail is normalized and segmented in a worker thread while the
+  first segment generates, so time to first audio does not grow with the input's length;
 - one producer task runs the LLM completions of all segments in order, putting speech tokens into one
-  queue per segment; the consumer turns each segment into one token2wav stream. The producer runs
-  ahead, so the next segment's LLM generation overlaps the current segment's token2wav;
+  queue per segment and handing each queue to the consumer as the segment starts (a queue of queues:
+  the number of segments is not known until the tail is ready); the consumer turns each segment into
+  one token2wav stream. The producer runs ahead, so the next segment's LLM generation overlaps the
+  current segment's token2wav;
 - tokens reach token2wav in chunks given by a named ``ChunkSchedule``: the first chunk is small so the
   first audio comes fast, later chunks grow so the vocoder runs efficiently;
 - closing the PCM iterator (client gone) cancels the producer, which closes the LLM HTTP stream (the
-  server aborts the generation) and aborts the token2wav sequence.
+  server aborts the generation) and aborts the token2wav sequence, and stops the tail's preparation.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,7 +34,7 @@ from gateway.llm.client import LLMError, LLMUnavailable, SpeechTokenLLM
 from gateway.llm.prompt import CosyVoicePromptBuilder, LLMPrompt
 from gateway.pools import Endpoint, EndpointPool
 from gateway.normalize import default_normalizer
-from gateway.segment import split_into_segments
+from gateway.segment import split_head, split_into_segments
 from gateway.settings import Settings
 from gateway.synth import SpeechJob, Usage
 from gateway.tempo import TempoStretcher
@@ -83,7 +89,13 @@ def backend_unavailable(what: str, detail: str) -> APIError:
     )
 
 
-_END = object()  # end of one segment's token stream
+_END = object()  # end of one segment's token stream, or of the stream of segments
+
+#: Characters of input (whole sentences) normalized and segmented before the LLM starts: about one
+#: segment's worth (~80 text tokens per segment with a 10 s voice prompt; numbers grow when spoken).
+#: Normalizing costs up to ~1 ms per character of number-dense text, so this bounds that part of the
+#: time to first audio; the rest is prepared while the first segment generates.
+HEAD_CHARS = 150
 
 
 class BackendMetrics(Protocol):
@@ -179,12 +191,25 @@ class SpeechPipeline:
         return {"llm": llm_ok, "token2wav": token2wav_ok}
 
     async def prepare(self, job: SpeechJob) -> PreparedSpeech:
+        """Prepare the head of the input and wait for its first speech token; the tail follows lazily.
+
+        Errors of the head (400 ``context_length_exceeded``, 503 for a dead LLM) are raised here, before
+        the response starts. Cutting at a sentence end keeps the result exact: normalization is
+        sentence-wise, so the head's and the tail's normalized texts concatenate to the whole input's.
+        """
         voice = await self.voices.resolve(job.voice)
-        text = job.input  # usage.input_tokens counts the text the LLM reads: the normalized text
-        if self.normalize_text if job.normalize is None else job.normalize:
-            text = await self.normalizer.anormalize(text)
-        prompts = self.build_prompts(text, voice, job.instructions)
-        speech = PreparedSpeech(self, voice, prompts, job)
+        normalize = self.normalize_text if job.normalize is None else job.normalize
+        head, tail = split_head(job.input, HEAD_CHARS)
+        if normalize:  # usage.input_tokens counts the text the LLM reads: the normalized text
+            head = await self.normalizer.anormalize(head)
+        prompts = self.build_prompts(head, voice, job.instructions)
+
+        def tail_prompts(stop: threading.Event) -> list[LLMPrompt]:
+            """Blocking, in a worker thread: normalize and segment the tail (stops early on ``stop``)."""
+            text = self.normalizer.normalize(tail, stop) if normalize else tail
+            return [] if stop.is_set() else self.build_prompts(text, voice, job.instructions)
+
+        speech = PreparedSpeech(self, voice, prompts, job, tail=tail_prompts if tail.strip() else None)
         await speech.start()
         return speech
 
@@ -229,44 +254,114 @@ class SpeechPipeline:
 
 
 class PreparedSpeech:
-    """One request's synthesis: LLM producer task + token2wav consumer, exposed as a PCM iterator."""
+    """One request's synthesis: LLM producer task + token2wav consumer, exposed as a PCM iterator.
 
-    def __init__(self, pipeline: SpeechPipeline, voice: Voice, prompts: list[LLMPrompt], job: SpeechJob) -> None:
+    ``prompts`` are the head's; ``tail`` (optional) is a blocking function that returns the rest of the
+    prompts. It runs in a worker thread once the first speech token has arrived (until then the CPU
+    belongs to the first segment: on small machines the LLM and the gateway share cores), and the
+    producer generates its prompts after the head's. Segments reach the consumer through ``_segments``,
+    a queue of per-segment token queues ended by ``_END`` (or by the exception that ended the producer
+    outside a segment, e.g. a failure preparing the tail, which the consumer raises after the head's
+    audio: in order, like any failure after the response began).
+    """
+
+    def __init__(
+        self,
+        pipeline: SpeechPipeline,
+        voice: Voice,
+        prompts: list[LLMPrompt],
+        job: SpeechJob,
+        *,
+        tail: Callable[[threading.Event], list[LLMPrompt]] | None = None,
+    ) -> None:
         self._pipeline = pipeline
         self._voice = voice
         self._prompts = prompts
         self._job = job
+        # The head's text tokens now; the tail's are added when its prompts are ready, so the count is
+        # final by the time pcm() is exhausted.
         self.usage = Usage(input_tokens=sum(p.text_token_count for p in prompts), output_tokens=0)
-        self._queues: list[asyncio.Queue[object]] = [asyncio.Queue() for _ in prompts]
+        self._segments: asyncio.Queue[object] = asyncio.Queue()
+        self._tail_work = tail
+        self._tail: asyncio.Task[list[LLMPrompt] | Exception] | None = None
+        self._tail_go = asyncio.Event()  # set once the first token arrived: the tail's thread may start
+        self._tail_stop = threading.Event()  # set on cancel: the tail's thread stops between sentences
         self._producer: asyncio.Task[None] | None = None
+        self._first_segment: asyncio.Queue[object] | None = None
         self._first: object | None = None
 
     async def start(self) -> None:
         """Start the LLM and wait for its first token, so a dead LLM is a 503 before the 200 is sent."""
+        if self._tail_work is not None:
+            self._tail = asyncio.create_task(self._prepare_tail(self._tail_work), name=f"tail-{self._job.request_id}")
         self._producer = asyncio.create_task(self._produce(), name=f"llm-{self._job.request_id}")
-        if not self._queues:
-            return
+        if not self._prompts:  # nothing to say in the head (blank): the tail may start at once
+            self._tail_go.set()
         asked = time.monotonic()
         try:
-            self._first = await self._queues[0].get()
-        except BaseException:  # cancelled (timeout, shutdown): the LLM generation must not outlive us
+            segment = await self._next_segment()
+            first = None if segment is None else await segment.get()
+        except BaseException:  # cancelled (timeout, shutdown), or the tail failed: nothing may outlive us
             self._cancel()
             raise
+        if segment is None:
+            return
+        self._first_segment, self._first = segment, first
         metrics = self._pipeline.metrics
-        if metrics is not None and not isinstance(self._first, BaseException):
+        if metrics is not None and not isinstance(first, BaseException):
             metrics.observe_llm_first_token(time.monotonic() - asked)
-        if isinstance(self._first, BaseException):
+        if isinstance(first, BaseException):
             self._cancel()
-            raise self._as_api_error(self._first)
+            raise self._as_api_error(first)
+        self._tail_go.set()
+
+    async def _prepare_tail(self, work: Callable[[threading.Event], list[LLMPrompt]]) -> list[LLMPrompt] | Exception:
+        """The tail's prompts, or the exception preparing them raised: returned, not raised, so the
+        producer hands it on in order, and a tail nobody awaits (the head failed) leaves no
+        never-retrieved task exception behind."""
+        await self._tail_go.wait()
+        try:
+            return await asyncio.to_thread(work, self._tail_stop)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            return exc
 
     async def _produce(self) -> None:
-        for prompt, queue in zip(self._prompts, self._queues):
+        """Generate the head's segments, then the tail's once they are ready; end ``_segments``."""
+        if not await self._generate_each(self._prompts):
+            return
+        if self._tail is not None:
+            tail = await self._tail
+            if isinstance(tail, Exception):  # handed to the consumer, which raises it after the head
+                log.error("preparing the rest of the input failed: %r", tail, extra={"request_id": self._job.request_id})
+                self._segments.put_nowait(tail)
+                return
+            self.usage.input_tokens += sum(p.text_token_count for p in tail)
+            if not await self._generate_each(tail):
+                return
+        self._segments.put_nowait(_END)
+
+    async def _generate_each(self, prompts: list[LLMPrompt]) -> bool:
+        """Each prompt's tokens into a new queue, handed to the consumer first; False after a failure
+        (which went into that segment's queue: the consumer raises it there)."""
+        for prompt in prompts:
+            queue: asyncio.Queue[object] = asyncio.Queue()
+            self._segments.put_nowait(queue)
             try:
                 await self._generate(prompt, queue)
             except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
                 queue.put_nowait(exc)
-                return
+                return False
             queue.put_nowait(_END)
+        return True
+
+    async def _next_segment(self) -> asyncio.Queue[object] | None:
+        """The next segment's token queue; None after the last; raises what ended the producer."""
+        item = await self._segments.get()
+        if item is _END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item  # type: ignore[return-value]
 
     async def _generate(self, prompt: LLMPrompt, queue: asyncio.Queue[object]) -> None:
         """One segment on the least-busy LLM server; a server that is unreachable before its first
@@ -294,8 +389,10 @@ class PreparedSpeech:
         self._cancel()
 
     def _cancel(self) -> None:
-        if self._producer is not None and not self._producer.done():
-            self._producer.cancel()
+        self._tail_stop.set()
+        for task in (self._tail, self._producer):
+            if task is not None and not task.done():
+                task.cancel()
 
     @staticmethod
     def _as_api_error(exc: BaseException) -> Exception:
@@ -311,11 +408,13 @@ class PreparedSpeech:
     async def pcm(self) -> AsyncIterator[np.ndarray]:
         stretcher = TempoStretcher(self._job.speed, self._pipeline.sample_rate) if self._job.speed != 1 else None
         try:
-            for index, queue in enumerate(self._queues):
-                async for chunk in self._segment_pcm(queue, first=self._first if index == 0 else None):
+            segment, first = self._first_segment, self._first
+            while segment is not None:
+                async for chunk in self._segment_pcm(segment, first=first):
                     out = stretcher.process(chunk) if stretcher else chunk
                     if out.size:
                         yield out
+                segment, first = await self._next_segment(), None
             if stretcher:
                 tail = stretcher.flush()
                 if tail.size:

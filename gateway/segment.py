@@ -65,6 +65,22 @@ def split_sentences(text: str) -> list[str]:
     return sentences
 
 
+def split_head(text: str, min_chars: int) -> tuple[str, str]:
+    """``(head, tail)``: the fewest whole sentences from the start holding ``min_chars`` characters, and
+    the rest (``head + tail == text``; ``tail`` is empty when the text is short).
+
+    The pipeline prepares the head first so the LLM starts while the tail is still being normalized.
+    The cut is one of ``split_sentences``'s, so each part splits into exactly the sentences the whole
+    text does, and sentence-wise work (normalization) over the parts gives what it gives over the whole.
+    """
+    length = 0
+    for sentence in split_sentences(text):
+        length += len(sentence)
+        if length >= min_chars:
+            return text[:length], text[length:]
+    return text, ""
+
+
 def _is_word_char(ch: str) -> bool:
     return ch.isascii() and (ch.isalnum() or ch in "._-',:")
 

@@ -15,9 +15,9 @@ from backends.llm.tiny import write_tiny_tokenizer
 from gateway.errors import APIError
 from gateway.llm import vocab
 from gateway.llm.prompt import CosyVoicePromptBuilder
-from gateway.normalize import TextNormalizer, default_normalizer
+from gateway.normalize import NormalizationStopped, TextNormalizer, default_normalizer
 from gateway.schemas import parse_speech_request
-from gateway.segment import split_into_segments
+from gateway.segment import split_head, split_into_segments
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,24 @@ def test_segments_reassemble_into_the_normalized_input(normalizer: TextNormalize
     segments = split_into_segments(spoken, 40, lambda s: len(s.encode()) // 2 + 1)
     assert "".join(segments) == spoken
     assert len(segments) > 20
+
+
+def test_head_and_tail_normalize_to_the_whole(normalizer: TextNormalizer) -> None:
+    """The pipeline normalizes the head of the input, then the tail: cut at a sentence end, the two
+    normalized parts concatenate to the normalized whole (normalization is sentence-wise)."""
+    text = "Dr. Smith paid $12.50 on Jan. 5 at 10:30. " + "我有3只猫。价格是12.5元！" + "It is 1,000 km. \n\nCall +1 now. " * 3
+    whole = normalizer.normalize(text)
+    for min_chars in range(1, len(text) + 1, 7):
+        head, tail = split_head(text, min_chars)
+        assert normalizer.normalize(head) + normalizer.normalize(tail) == whole
+
+
+def test_normalization_stops_between_sentences_when_asked(normalizer: TextNormalizer) -> None:
+    stop = threading.Event()
+    assert normalizer.normalize("It is 5. It is 6.", stop) == "It is five. It is six."
+    stop.set()
+    with pytest.raises(NormalizationStopped):
+        normalizer.normalize("It is 5. It is 6.", stop)
 
 
 async def test_async_normalization_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.segment import split_into_segments, split_sentences
+from gateway.segment import split_head, split_into_segments, split_sentences
 
 
 def utf8_tokens(text: str) -> int:
@@ -96,3 +96,15 @@ def test_an_unbroken_run_is_cut_between_cjk_characters_not_inside_a_number() -> 
     assert "".join(segments) == text
     assert all(len(s) <= 8 for s in segments)
     assert any("2024" in s for s in segments)
+
+
+@pytest.mark.parametrize("text", CASES + ["Dr. Smith came. He met Mr. J. K. Rowling on Jan. 5. " * 20])
+@pytest.mark.parametrize("min_chars", [1, 30, 150, 10_000])
+def test_head_is_whole_sentences_and_the_parts_split_like_the_whole(text: str, min_chars: int) -> None:
+    head, tail = split_head(text, min_chars)
+    assert head + tail == text and head
+    assert len(head) >= min_chars or not tail
+    # The cut is a sentence boundary of the whole text: the parts split into the whole's sentences.
+    assert split_sentences(head) + (split_sentences(tail) if tail else []) == split_sentences(text)
+    sentences = split_sentences(head)
+    assert not tail or len(head) - len(sentences[-1]) < min_chars  # the fewest sentences that reach it
