@@ -87,7 +87,7 @@ class CausalConditionalCFM(nn.Module):
         new_cnn, new_att = [], []
         for step in range(1, len(t_span)):
             velocity, step_cnn, step_att = self.estimator.forward_chunk(
-                x.repeat(2, 1, 1), mu_in, t.repeat(2), spks_in, cond_in,
+                x.repeat(2, 1, 1), mu_in, t.repeat(2 * x.shape[0]), spks_in, cond_in,
                 cnn_cache[step - 1] if cnn_cache is not None else None,
                 att_cache[step - 1] if att_cache is not None else None,
             )
