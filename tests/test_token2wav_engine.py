@@ -293,3 +293,50 @@ def test_cli_stream_mode_token_file_voice_file_and_bad_ids(model_dir, tmp_path, 
     _check_wav(out, 60)
     assert main(["--model-dir", str(model_dir), "--tokens", "1,9999", "--out", str(out)]) == 2
     assert "outside the speech token range" in capsys.readouterr().err
+
+
+def _solo(engine, voice, tokens: list[int], sizes: list[int], seed: int) -> np.ndarray:
+    state = engine.start_stream(voice, seed=seed)
+    out, at = [], 0
+    for i, size in enumerate(sizes):
+        out.append(engine.feed(state, tokens[at:at + size], final=i == len(sizes) - 1))
+        at += size
+    return np.concatenate(out)
+
+
+def test_feed_many_batches_equal_chunks_and_matches_solo_streams(engine, voice, other_voice):
+    """Three streams fed together: two of one voice at the same schedule point (batched), one other
+    voice and schedule (its own group). Each stream's audio equals its solo run."""
+    sizes_a, sizes_c = [18, 25, 50, 7], [20, 9, 30]
+    streams = [(voice, _tokens(100, 1), sizes_a, 11), (voice, _tokens(100, 2), sizes_a, 12),
+               (other_voice, _tokens(59, 3), sizes_c, 13)]
+    solo = [_solo(engine, v, t, s, seed) for v, t, s, seed in streams]
+    states = [engine.start_stream(v, seed=seed) for v, _, _, seed in streams]
+    outputs: list[list[np.ndarray]] = [[] for _ in streams]
+    offsets = [0] * len(streams)
+    calls = 0
+    for step in range(max(len(s) for _, _, s, _ in streams)):
+        items, owners = [], []
+        for k, (_, tokens, sizes, _) in enumerate(streams):
+            if step < len(sizes):
+                items.append((states[k], tokens[offsets[k]:offsets[k] + sizes[step]], step == len(sizes) - 1))
+                owners.append(k)
+                offsets[k] += sizes[step]
+        for k, pcm in zip(owners, engine.feed_many(items)):
+            assert isinstance(pcm, np.ndarray), pcm
+            outputs[k].append(pcm)
+        calls += 1
+    for k in range(len(streams)):
+        joined = np.concatenate(outputs[k])
+        assert joined.size == len(streams[k][1]) * SAMPLES_PER_TOKEN
+        np.testing.assert_allclose(joined, solo[k], atol=1e-4)  # batched GEMMs round differently
+
+
+def test_feed_many_reports_errors_per_stream(engine, voice):
+    good, finished = engine.start_stream(voice, seed=1), engine.start_stream(voice, seed=2)
+    engine.feed(finished, _tokens(20), final=True)
+    results = engine.feed_many([(good, _tokens(18), False), (finished, _tokens(5), False),
+                                (engine.start_stream(voice), [1, 99999], False)])
+    assert isinstance(results[0], np.ndarray) and results[0].size > 0
+    assert isinstance(results[1], RuntimeError) and "already finished" in str(results[1])
+    assert isinstance(results[2], ValueError) and "outside the speech token range" in str(results[2])

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from backends.token2wav.config import load_flow
+from backends.token2wav.estimator_cuda_graph import GraphedSolve
 from backends.token2wav.flow import CausalMaskedDiffWithXvec, FlowCache
 from backends.token2wav.hift import HiFTGenerator, load_hift
 
@@ -155,7 +156,8 @@ class Token2WavEngine:
     sample_rate: int = SAMPLE_RATE
 
     def __init__(self, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator, device: Union[str, torch.device] = "cpu",
-                 dtype: Union[str, torch.dtype] = "float32", n_timesteps: int = N_TIMESTEPS):
+                 dtype: Union[str, torch.dtype] = "float32", n_timesteps: int = N_TIMESTEPS, cuda_graphs: bool = False,
+                 graph_mib: int = 8192):
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.flow = flow.to(device=self.device, dtype=self.dtype).eval()
@@ -170,11 +172,19 @@ class Token2WavEngine:
         self.hift_cache_samples = HIFT_CACHE_FRAMES * self.samples_per_frame
         # Hamming window of twice the overlap, as upstream; float64 like upstream's numpy window.
         self.fade_window = torch.hamming_window(2 * self.hift_cache_samples, periodic=False, dtype=torch.float64)
+        # The estimator solve and HiFT's decoder are launch-bound on a GPU: replay them from CUDA graphs.
+        self.solve = self.flow.decoder.forward_chunk
+        self.graphed_solve: Optional[GraphedSolve] = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphed_solve = GraphedSolve(self.flow.decoder.forward_chunk, max_bytes=graph_mib << 20)
+            self.solve = self.graphed_solve
+            self.hift.enable_cuda_graphs(max_shapes=16)
 
     # ---- loading ----
 
     @classmethod
-    def load(cls, model_dir: Union[str, Path], device: str = "cpu", dtype: str = "float32") -> "Token2WavEngine":
+    def load(cls, model_dir: Union[str, Path], device: str = "cpu", dtype: str = "float32",
+             cuda_graphs: bool = False, graph_mib: int = 8192) -> "Token2WavEngine":
         """Read flow.yaml, flow.pt and hift.pt from a Step-Audio2 token2wav folder; strict state-dict loads."""
         model_dir = Path(model_dir)
         for name in ("flow.yaml", "flow.pt", "hift.pt"):
@@ -186,7 +196,7 @@ class Token2WavEngine:
         del state
         hift = load_hift(model_dir / "hift.pt", device="cpu", dtype=torch.float32,
                          **hift_hyperparams_from_checkpoint(model_dir / "hift.pt"))
-        return cls(flow, hift, device=device, dtype=dtype)
+        return cls(flow, hift, device=device, dtype=dtype, cuda_graphs=cuda_graphs, graph_mib=graph_mib)
 
     # ---- voices ----
 
@@ -272,6 +282,63 @@ class Token2WavEngine:
         state.started = True
         return self._emit(state, self._vocode(state, mel, final=False))
 
+    @torch.inference_mode()
+    def feed_many(self, items: Sequence[tuple[StreamState, TokensLike, bool]]) -> list[Union[np.ndarray, Exception]]:
+        """``feed`` for several streams at once: chunks of equal shape run as one batched flow call.
+
+        Each item is (state, tokens, final); the result list holds, per item, its PCM or the exception
+        its feed raised (that stream is unusable afterwards, as after a failed ``feed``). Chunks are
+        batched when they have the same token count, the same cache lengths and the same final flag
+        (streams at the same point of the same schedule with voices of equal prompt length); anything
+        else runs in a smaller batch. The output of each stream is what ``feed`` would give, up to
+        floating-point rounding of the batched matrix products.
+        """
+        results: list[Union[np.ndarray, Exception, None]] = [None] * len(items)
+        groups: dict[tuple, list[int]] = {}
+        for index, (state, tokens, final) in enumerate(items):
+            try:
+                ids = validate_tokens(tokens)
+                if state.finished:
+                    raise RuntimeError("this stream was already finished (final=True); start a new stream")
+                state.pending.extend(ids)
+                state.tokens_fed += len(ids)
+                if final:
+                    state.finished = True
+                    if not state.pending:
+                        pcm = state.hift_speech[0] if state.hift_speech is not None else torch.zeros(0)
+                        self._release(state)
+                        results[index] = self._emit(state, pcm)
+                        continue
+                elif len(state.pending) - self.lookahead < (1 if state.started else FIRST_CHUNK_TOKENS):
+                    results[index] = np.zeros(0, dtype=np.float32)
+                    continue
+                cache = state.flow_cache
+                key = (bool(final), len(state.pending), tuple(cache.conformer_att.shape), tuple(cache.estimator_att.shape))
+                groups.setdefault(key, []).append(index)
+            except Exception as exc:  # noqa: BLE001 - reported per stream
+                results[index] = exc
+        for (final, *_), members in groups.items():
+            states = [items[i][0] for i in members]
+            try:
+                mels = self._flow_chunks(states, [list(s.pending) for s in states], last_chunk=final)
+            except Exception as exc:  # noqa: BLE001 - the whole batch failed: every member's stream is unusable
+                for i in members:
+                    results[i] = exc
+                continue
+            for i, state, mel in zip(members, states, mels):
+                try:
+                    if final:
+                        pcm = self._vocode(state, mel, final=True)
+                        self._release(state)
+                    else:
+                        state.pending = state.pending[len(state.pending) - self.lookahead:]
+                        state.started = True
+                        pcm = self._vocode(state, mel, final=False)
+                    results[i] = self._emit(state, pcm)
+                except Exception as exc:  # noqa: BLE001
+                    results[i] = exc
+        return results  # type: ignore[return-value]
+
     def state_nbytes(self, state: StreamState) -> int:
         """Approximate bytes held by this stream alone (the shared voice is not counted)."""
         held = 0
@@ -309,16 +376,39 @@ class Token2WavEngine:
         return take
 
     def _flow_chunk(self, state: StreamState, tokens: list[int], last_chunk: bool) -> torch.Tensor:
-        token_tensor = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        return self._flow_chunks([state], [tokens], last_chunk)[0]
 
-        def noise(_offset: int, n_frames: int) -> torch.Tensor:
-            return state.flow_noise.take(n_frames).to(self.device, self.dtype)
+    def _flow_chunks(self, states: list[StreamState], tokens: list[list[int]], last_chunk: bool) -> list[torch.Tensor]:
+        """One flow chunk for each stream, as one batch: equal token counts and cache shapes required.
 
-        mel, cache = self.flow.inference_chunk(token_tensor, state.voice.speaker_embedding, state.flow_cache,
-                                               last_chunk, noise, self.n_timesteps,
-                                               projected_spk=state.voice.projected_speaker)
-        state.flow_cache = cache.truncated(state.voice.prompt_frames, CACHE_RECENT_FRAMES)
-        return mel
+        Batch layouts: the conformer caches stack streams on their batch axis; the estimator caches hold
+        the CFG halves as [cond of every stream, uncond of every stream] on axis 2, the layout the solver
+        uses. Each stream then gets its own copy of its rows (never a view of the batch, nor of a CUDA
+        graph's static output), truncated as upstream does.
+        """
+        flow, batch = self.flow, len(states)
+        caches = [s.flow_cache for s in states]
+        token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        h, conformer_cnn, conformer_att = flow.encoder.forward_chunk(
+            flow.input_embedding(token_tensor), last_chunk,
+            _stack([c.conformer_cnn for c in caches], 0), _stack([c.conformer_att for c in caches], 1))
+        mu = flow.encoder_proj(h).transpose(1, 2).contiguous()
+        frames = mu.shape[2]
+        noise = torch.cat([s.flow_noise.take(frames) for s in states]).to(self.device, self.dtype)
+        spks = _stack([s.voice.projected_speaker for s in states], 0)
+        mel, estimator_cnn, estimator_att = self.solve(
+            mu, spks, torch.zeros_like(mu), noise, self.n_timesteps,
+            _cfg_stack([c.estimator_cnn for c in caches]), _cfg_stack([c.estimator_att for c in caches]))
+        mels = []
+        for i, state in enumerate(states):
+            own = torch.tensor([i], device=self.device)
+            cfg_rows = torch.tensor([i, batch + i], device=self.device)
+            state.flow_cache = FlowCache(
+                conformer_cnn.index_select(0, own), conformer_att.index_select(1, own),
+                estimator_cnn.index_select(2, cfg_rows), estimator_att.index_select(2, cfg_rows),
+            ).truncated(state.voice.prompt_frames, CACHE_RECENT_FRAMES)
+            mels.append(mel[i:i + 1].clone())
+        return mels
 
     def _vocode(self, state: StreamState, chunk_mel: torch.Tensor, final: bool) -> torch.Tensor:
         """Mel chunk -> the samples that are final now (all of them when final)."""
@@ -351,6 +441,17 @@ class Token2WavEngine:
         state.flow_cache = None
         state.pending = []
         state.hift_mel = state.hift_source = state.hift_speech = None
+
+
+def _stack(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
+def _cfg_stack(caches: list[torch.Tensor]) -> torch.Tensor:
+    """Per-stream estimator caches (..., 2 = cond/uncond on axis 2, ...) -> [cond..., uncond...] on axis 2."""
+    if len(caches) == 1:
+        return caches[0]
+    return torch.cat([c.narrow(2, 0, 1) for c in caches] + [c.narrow(2, 1, 1) for c in caches], dim=2)
 
 
 def hift_hyperparams_from_checkpoint(path: Union[str, Path]) -> dict[str, int]:
