@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -91,6 +91,10 @@ class ServiceConfig:
     """A stream with no request for this long is freed (Triton drops idle sequences silently)."""
     voice_cache_size: int = 64
     """Prepared voices kept per instance (LRU)."""
+    cuda_graphs: int = 1
+    """1: on a CUDA device, replay the estimator solve and HiFT from CUDA graphs (0: eager)."""
+    graph_mib: int = 8192
+    """GPU memory the estimator's CUDA graphs may hold (static buffers; LRU beyond it)."""
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, str], environ: Mapping[str, str] | None = None) -> "ServiceConfig":
@@ -235,39 +239,47 @@ class Token2WavService:
 
     def handle(self, request: ChunkRequest) -> ChunkResult:
         """Run one request. Raises a ``Token2WavServiceError``; after any error the stream is gone."""
-        cid = request.correlation_id
-        if request.abort:
-            if self._free(cid):
-                self.stats.aborted += 1
-            return self._result(np.zeros(0, np.float32))
-        try:
-            tokens = _speech_tokens(request.tokens, "tokens")
-            if request.start:
-                if self._free(cid):
-                    log.warning("sequence %d restarted: previous state dropped", cid)
-                if request.end and tokens.size == 0 and request.voice_id is None and request.voice is None:
-                    return self._result(np.zeros(0, np.float32))  # probe: reports the live count
-                stream = self._open(request)
-            else:
-                stream = self._claim(cid)
+        result = self.handle_many([request])[0]
+        if isinstance(result, Token2WavServiceError):
+            raise result
+        return result
+
+    def handle_many(self, requests: Sequence[ChunkRequest]) -> list[ChunkResult | Token2WavServiceError]:
+        """Run the requests of one Triton batch (each of a different stream): a result or error each.
+
+        The chunks that need the engine go to it in one ``feed_many`` call, which synthesises chunks of
+        equal shape from several streams as one batch; this is what keeps first audio flat as the number
+        of concurrent streams grows. After any error the stream of that request is gone.
+        """
+        results: list[ChunkResult | Token2WavServiceError | None] = [None] * len(requests)
+        work: list[tuple[int, ChunkRequest, _Stream, np.ndarray]] = []
+        for index, request in enumerate(requests):
             try:
-                pcm = self.engine.feed(stream.state, tokens, final=request.end)
-            except Exception as exc:  # the engine's state is unusable after a failed feed
-                log.exception("sequence %d: engine failed", cid)
-                raise Token2WavServiceError(f"engine failed on sequence {cid}: {exc}") from exc
-        except Token2WavServiceError as exc:
-            if self._free(cid):
-                self.stats.failed += 1
-            if isinstance(exc, Unavailable):
-                self.stats.rejected += 1
-            raise
-        pcm = np.ascontiguousarray(pcm, dtype=np.float32).reshape(-1)
-        if request.end:
-            self._free(cid)
-            self.stats.ended += 1
-        else:
-            self._release(cid, stream)
-        return self._result(pcm)
+                begun = self._begin(request)
+            except Token2WavServiceError as exc:
+                results[index] = self._failed(request.correlation_id, exc)
+                continue
+            if isinstance(begun, ChunkResult):
+                results[index] = begun
+            else:
+                work.append((index, request, begun[0], begun[1]))
+        outputs = self._feed([(stream.state, tokens, request.end) for _, request, stream, tokens in work])
+        for (index, request, stream, _), output in zip(work, outputs):
+            cid = request.correlation_id
+            if isinstance(output, Exception):  # the engine's state is unusable after a failed feed
+                log.error("sequence %d: engine failed", cid, exc_info=output)
+                error = Token2WavServiceError(f"engine failed on sequence {cid}: {output}")
+                error.__cause__ = output
+                results[index] = self._failed(cid, error)
+                continue
+            pcm = np.ascontiguousarray(output, dtype=np.float32).reshape(-1)
+            if request.end:
+                self._free(cid)
+                self.stats.ended += 1
+            else:
+                self._release(cid, stream)
+            results[index] = self._result(pcm)
+        return results  # type: ignore[return-value]
 
     def cancel(self, correlation_id: int) -> bool:
         """Free a stream whose client cancelled its request (gRPC cancellation)."""
@@ -314,6 +326,44 @@ class Token2WavService:
             self._streams.clear()
 
     # --- internals --------------------------------------------------------------------------
+
+    def _begin(self, request: ChunkRequest) -> ChunkResult | tuple[_Stream, np.ndarray]:
+        """Abort, probe, START or claim: an immediate result, or the stream and tokens to feed."""
+        cid = request.correlation_id
+        if request.abort:
+            if self._free(cid):
+                self.stats.aborted += 1
+            return self._result(np.zeros(0, np.float32))
+        tokens = _speech_tokens(request.tokens, "tokens")
+        if request.start:
+            if self._free(cid):
+                log.warning("sequence %d restarted: previous state dropped", cid)
+            if request.end and tokens.size == 0 and request.voice_id is None and request.voice is None:
+                return self._result(np.zeros(0, np.float32))  # probe: reports the live count
+            return self._open(request), tokens
+        return self._claim(cid), tokens
+
+    def _feed(self, items: list[tuple[Any, np.ndarray, bool]]) -> list[Any]:
+        """The engine's ``feed_many`` when it has one, else ``feed`` per item (errors returned, not raised)."""
+        if not items:
+            return []
+        feed_many = getattr(self.engine, "feed_many", None)
+        if feed_many is not None:
+            return list(feed_many(items))
+        outputs: list[Any] = []
+        for state, tokens, final in items:
+            try:
+                outputs.append(self.engine.feed(state, tokens, final=final))
+            except Exception as exc:  # noqa: BLE001 - reported per request
+                outputs.append(exc)
+        return outputs
+
+    def _failed(self, cid: int, exc: Token2WavServiceError) -> Token2WavServiceError:
+        if self._free(cid):
+            self.stats.failed += 1
+        if isinstance(exc, Unavailable):
+            self.stats.rejected += 1
+        return exc
 
     def _result(self, pcm: np.ndarray) -> ChunkResult:
         return ChunkResult(pcm=pcm, live_sequences=self.live_sequences())

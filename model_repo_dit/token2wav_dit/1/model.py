@@ -37,13 +37,38 @@ class TritonPythonModel:
         parameters = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         self.config = ServiceConfig.from_parameters(parameters)
         engine = Token2WavEngine.load(self.config.model_dir, device=_instance_device(self.config.device, args),
-                                      dtype=self.config.dtype)
+                                      dtype=self.config.dtype, cuda_graphs=bool(self.config.cuda_graphs),
+                                      graph_mib=self.config.graph_mib)
         self.service = Token2WavService(engine, self.config)
         self.service.start_reaper()
         pb_utils.Logger.log_info(f"token2wav_dit ready: {self.config}")
 
     def execute(self, requests: list) -> list:
-        return [self._respond(request) for request in requests]
+        """Answer a batch of requests (the sequence batcher gives at most one per stream).
+
+        Every request that is still wanted goes to the service in one call, so chunks of several
+        streams are synthesised together; a cancelled request frees its stream instead.
+        """
+        responses: list = [None] * len(requests)
+        decoded: list[tuple[int, int, ChunkRequest]] = []
+        for index, request in enumerate(requests):
+            cid = int(_input(request, "CORRID").reshape(-1)[0])
+            try:
+                if request.is_cancelled():
+                    self._cancelled(cid)
+                    responses[index] = _error("cancelled", f"[token2wav:cancelled] request of sequence {cid} was cancelled")
+                    continue
+                decoded.append((index, cid, _decode(request, cid)))
+            except Token2WavServiceError as exc:
+                self.service.cancel(cid)
+                responses[index] = _error(exc.kind, str(exc))
+        try:
+            results = self.service.handle_many([chunk for _, _, chunk in decoded])
+        except Exception as exc:  # keep the server healthy whatever happens
+            results = [exc] * len(decoded)
+        for (index, cid, _), result in zip(decoded, results):
+            responses[index] = self._respond(requests[index], cid, result)
+        return responses
 
     def finalize(self) -> None:
         self.service.close()
@@ -52,20 +77,14 @@ class TritonPythonModel:
         if self.service.cancel(cid):
             pb_utils.Logger.log_info(f"sequence {cid}: the client cancelled a request; stream freed")
 
-    def _respond(self, request) -> "pb_utils.InferenceResponse":
-        cid = int(_input(request, "CORRID").reshape(-1)[0])
-        try:
-            if request.is_cancelled():
-                self._cancelled(cid)
-                return _error("cancelled", f"[token2wav:cancelled] request of sequence {cid} was cancelled")
-            result = self.service.handle(_decode(request, cid))
-            if request.is_cancelled():  # the answer is discarded: free the stream now
-                self._cancelled(cid)
-        except Token2WavServiceError as exc:
-            return _error(exc.kind, str(exc))
-        except Exception as exc:  # keep the server healthy whatever happens
+    def _respond(self, request, cid: int, result) -> "pb_utils.InferenceResponse":
+        if isinstance(result, Token2WavServiceError):
+            return _error(result.kind, str(result))
+        if isinstance(result, Exception):
             self.service.cancel(cid)
-            return _error("internal", f"[token2wav:internal] {type(exc).__name__}: {exc}")
+            return _error("internal", f"[token2wav:internal] {type(result).__name__}: {result}")
+        if request.is_cancelled():  # the answer is discarded: free the stream now
+            self._cancelled(cid)
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("pcm", result.pcm.reshape(1, -1)),
             pb_utils.Tensor("live_sequences", np.array([result.live_sequences], np.int32)),
