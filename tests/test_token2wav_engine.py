@@ -304,12 +304,30 @@ def _solo(engine, voice, tokens: list[int], sizes: list[int], seed: int) -> np.n
     return np.concatenate(out)
 
 
-def test_feed_many_batches_equal_chunks_and_matches_solo_streams(engine, voice, other_voice):
-    """Three streams fed together: two of one voice at the same schedule point (batched), one other
-    voice and schedule (its own group). Each stream's audio equals its solo run."""
+@pytest.fixture
+def padded_batches(engine):
+    """The engine as it runs with CUDA graphs (batches padded to a power of two with filler rows);
+    on the CPU the graph wrapper itself falls back to the eager solve."""
+    from backends.token2wav.cuda_graph import GraphedCall
+
+    saved = engine.solve, engine.encode
+    engine.graphed_solve = engine.solve = GraphedCall(engine.solve)
+    engine.encode = GraphedCall(engine.encode)
+    yield engine
+    engine.graphed_solve = None
+    engine.solve, engine.encode = saved
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["exact-batches", "padded-batches"])
+def test_feed_many_batches_equal_chunks_and_matches_solo_streams(engine, voice, other_voice, padded, request):
+    """Four streams fed together: three of one voice at the same schedule point (one batch of 3,
+    padded to 4 with CUDA graphs), one other voice and schedule (its own group). Each stream's audio
+    equals its solo run."""
+    if padded:
+        request.getfixturevalue("padded_batches")
     sizes_a, sizes_c = [18, 25, 50, 7], [20, 9, 30]
     streams = [(voice, _tokens(100, 1), sizes_a, 11), (voice, _tokens(100, 2), sizes_a, 12),
-               (other_voice, _tokens(59, 3), sizes_c, 13)]
+               (voice, _tokens(100, 4), sizes_a, 14), (other_voice, _tokens(59, 3), sizes_c, 13)]
     solo = [_solo(engine, v, t, s, seed) for v, t, s, seed in streams]
     states = [engine.start_stream(v, seed=seed) for v, _, _, seed in streams]
     outputs: list[list[np.ndarray]] = [[] for _ in streams]

@@ -68,13 +68,18 @@ class Attention(nn.Module):
         return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask.unsqueeze(1)))
 
     def forward_chunk(self, x: torch.Tensor, att_cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (b, t, c); att_cache (b, h, t_cache, 2*head_dim) newest-first. Returns output and new cache."""
+        """x (b, t, c); att_cache (b, h, t_cache, 2*head_dim) newest-first.
+
+        Returns the output and this chunk's own keys/values (b, h, t, 2*head_dim); the new cache is
+        ``cat([that, att_cache], dim=2)`` (newest first), left to the caller.
+        """
         q, k, v = self._qkv(x)
+        new_kv = torch.cat([k, v], dim=3)
         if att_cache is not None:
             k_cache, v_cache = att_cache.chunk(2, dim=3)
             k = torch.cat([k, k_cache], dim=2)
             v = torch.cat([v, v_cache], dim=2)
-        return self._out(F.scaled_dot_product_attention(q, k, v)), torch.cat([k, v], dim=3)
+        return self._out(F.scaled_dot_product_attention(q, k, v)), new_kv
 
 
 class TimestepEmbedder(nn.Module):
@@ -271,8 +276,12 @@ class DiT(nn.Module):
         cond: Optional[torch.Tensor],
         cnn_cache: Optional[torch.Tensor] = None,
         att_cache: Optional[torch.Tensor] = None,
+        new_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One chunk. cnn_cache (depth, b, 2*hidden, 2); att_cache (depth, b, heads, t_cache, 2*head_dim).
+
+        ``new_only``: return only this chunk's frames of the attention cache (the caller prepends them
+        to its old cache); a CUDA graph then keeps a static output of the chunk's size, not the cache's.
 
         Returns the output (b, out, t) and freshly allocated caches (never views of shared buffers).
         """
@@ -285,5 +294,7 @@ class DiT(nn.Module):
                 att_cache[i] if att_cache is not None else None,
             )
             new_cnn.append(block_cnn)
+            if att_cache is not None and not new_only:
+                block_att = torch.cat([block_att, att_cache[i]], dim=2)
             new_att.append(block_att)
         return self.final_layer(h, c).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_att)

@@ -15,6 +15,7 @@ Two modes, as in the reference:
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -23,18 +24,23 @@ import torch.nn.functional as F
 from torch import nn
 
 
+@functools.lru_cache(maxsize=256)
 def relative_position_encoding(size: int, d_model: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """ESPnet relative positional table for positions size-1 .. -(size-1): shape (1, 2*size-1, d_model).
 
-    Computed on demand (cheap) instead of a 5000-long table held per model; the values equal the
-    reference's slice of its precomputed table because the same float32 products are evaluated.
+    Computed on demand instead of a 5000-long table held per model; the values equal the reference's
+    slice of its precomputed table because the same float32 products are evaluated. Cached per size
+    (streaming repeats a few sizes; read-only for callers): the host-to-device copy of a fresh table
+    costs a sync per call and cannot happen inside a CUDA-graph capture.
     """
-    positions = torch.arange(size - 1, -size, -1, dtype=torch.float32).unsqueeze(1)
-    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / d_model))
-    table = torch.zeros(2 * size - 1, d_model)
-    table[:, 0::2] = torch.sin(positions * inv_freq)
-    table[:, 1::2] = torch.cos(positions * inv_freq)
-    return table.unsqueeze(0).to(device=device, dtype=dtype)
+    # A normal tensor even when first asked for under inference_mode: cached, it may be used outside it.
+    with torch.inference_mode(False), torch.no_grad():
+        positions = torch.arange(size - 1, -size, -1, dtype=torch.float32).unsqueeze(1)
+        inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * -(math.log(10000.0) / d_model))
+        table = torch.zeros(2 * size - 1, d_model)
+        table[:, 0::2] = torch.sin(positions * inv_freq)
+        table[:, 1::2] = torch.cos(positions * inv_freq)
+        return table.unsqueeze(0).to(device=device, dtype=dtype)
 
 
 class LinearInput(nn.Module):

@@ -26,6 +26,7 @@ same frame noise as a stream with the same seed.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from backends.token2wav.config import load_flow
-from backends.token2wav.estimator_cuda_graph import GraphedSolve
+from backends.token2wav.cuda_graph import GraphedCall
 from backends.token2wav.flow import CausalMaskedDiffWithXvec, FlowCache
 from backends.token2wav.hift import HiFTGenerator, load_hift
 
@@ -157,7 +158,7 @@ class Token2WavEngine:
 
     def __init__(self, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator, device: Union[str, torch.device] = "cpu",
                  dtype: Union[str, torch.dtype] = "float32", n_timesteps: int = N_TIMESTEPS, cuda_graphs: bool = False,
-                 graph_mib: int = 8192):
+                 graph_mib: int = 16384):
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.flow = flow.to(device=self.device, dtype=self.dtype).eval()
@@ -173,18 +174,22 @@ class Token2WavEngine:
         # Hamming window of twice the overlap, as upstream; float64 like upstream's numpy window.
         self.fade_window = torch.hamming_window(2 * self.hift_cache_samples, periodic=False, dtype=torch.float64)
         # The estimator solve and HiFT's decoder are launch-bound on a GPU: replay them from CUDA graphs.
-        self.solve = self.flow.decoder.forward_chunk
-        self.graphed_solve: Optional[GraphedSolve] = None
+        # The solve returns only each chunk's own attention-cache frames (new_only): the engine prepends
+        # them to each stream's old cache, and a CUDA graph's static output stays chunk-sized.
+        self.solve = functools.partial(self.flow.decoder.forward_chunk, new_only=True)
+        self.encode = self._encode
+        self.graphed_solve: Optional[GraphedCall] = None
         if cuda_graphs and self.device.type == "cuda":
-            self.graphed_solve = GraphedSolve(self.flow.decoder.forward_chunk, max_bytes=graph_mib << 20)
+            self.graphed_solve = GraphedCall(self.solve, max_bytes=graph_mib << 20)
             self.solve = self.graphed_solve
+            self.encode = GraphedCall(self._encode, max_bytes=2 << 30)
             self.hift.enable_cuda_graphs(max_shapes=16)
 
     # ---- loading ----
 
     @classmethod
     def load(cls, model_dir: Union[str, Path], device: str = "cpu", dtype: str = "float32",
-             cuda_graphs: bool = False, graph_mib: int = 8192) -> "Token2WavEngine":
+             cuda_graphs: bool = False, graph_mib: int = 16384) -> "Token2WavEngine":
         """Read flow.yaml, flow.pt and hift.pt from a Step-Audio2 token2wav folder; strict state-dict loads."""
         model_dir = Path(model_dir)
         for name in ("flow.yaml", "flow.pt", "hift.pt"):
@@ -389,26 +394,40 @@ class Token2WavEngine:
         flow, batch = self.flow, len(states)
         caches = [s.flow_cache for s in states]
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        h, conformer_cnn, conformer_att = flow.encoder.forward_chunk(
-            flow.input_embedding(token_tensor), last_chunk,
-            _stack([c.conformer_cnn for c in caches], 0), _stack([c.conformer_att for c in caches], 1))
-        mu = flow.encoder_proj(h).transpose(1, 2).contiguous()
+        mu, conformer_cnn, conformer_att = self.encode(
+            flow.input_embedding(token_tensor), _stack([c.conformer_cnn for c in caches], 0),
+            _stack([c.conformer_att for c in caches], 1), last_chunk)
         frames = mu.shape[2]
         noise = torch.cat([s.flow_noise.take(frames) for s in states]).to(self.device, self.dtype)
         spks = _stack([s.voice.projected_speaker for s in states], 0)
+        # With CUDA graphs the batch is padded to a power of two with copies of the first stream's rows
+        # (their output is dropped): a few batch sizes instead of every one keeps the graph count low.
+        rows = batch if self.graphed_solve is None else 1 << (batch - 1).bit_length()
+        filler = rows - batch
+        if filler:
+            mu, noise, spks = (torch.cat([t, t[:1].expand(filler, *t.shape[1:])]) for t in (mu, noise, spks))
+        estimator_caches = caches + [caches[0]] * filler
         mel, estimator_cnn, estimator_att = self.solve(
             mu, spks, torch.zeros_like(mu), noise, self.n_timesteps,
-            _cfg_stack([c.estimator_cnn for c in caches]), _cfg_stack([c.estimator_att for c in caches]))
+            _cfg_stack([c.estimator_cnn for c in estimator_caches]),
+            _cfg_stack([c.estimator_att for c in estimator_caches]))
         mels = []
         for i, state in enumerate(states):
             own = torch.tensor([i], device=self.device)
-            cfg_rows = torch.tensor([i, batch + i], device=self.device)
+            cfg_rows = torch.tensor([i, rows + i], device=self.device)
             state.flow_cache = FlowCache(
                 conformer_cnn.index_select(0, own), conformer_att.index_select(1, own),
-                estimator_cnn.index_select(2, cfg_rows), estimator_att.index_select(2, cfg_rows),
+                estimator_cnn.index_select(2, cfg_rows),
+                torch.cat([estimator_att.index_select(2, cfg_rows), caches[i].estimator_att], dim=4),
             ).truncated(state.voice.prompt_frames, CACHE_RECENT_FRAMES)
             mels.append(mel[i:i + 1].clone())
         return mels
+
+    def _encode(self, embedded: torch.Tensor, cnn_cache: torch.Tensor, att_cache: torch.Tensor,
+                last_chunk: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conformer encoder + projection of one (batched) chunk: mu (b, 80, frames) and the new caches."""
+        h, cnn, att = self.flow.encoder.forward_chunk(embedded, last_chunk, cnn_cache, att_cache)
+        return self.flow.encoder_proj(h).transpose(1, 2).contiguous(), cnn, att
 
     def _vocode(self, state: StreamState, chunk_mel: torch.Tensor, final: bool) -> torch.Tensor:
         """Mel chunk -> the samples that are final now (all of them when final)."""

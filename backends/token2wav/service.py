@@ -93,7 +93,7 @@ class ServiceConfig:
     """Prepared voices kept per instance (LRU)."""
     cuda_graphs: int = 1
     """1: on a CUDA device, replay the estimator solve and HiFT from CUDA graphs (0: eager)."""
-    graph_mib: int = 8192
+    graph_mib: int = 16384
     """GPU memory the estimator's CUDA graphs may hold (static buffers; LRU beyond it)."""
 
     @classmethod
