@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import fractions
 
-import av
 import numpy as np
-from av.audio.frame import AudioFrame
 
 
 def _atempo_factors(speed: float) -> list[float]:
@@ -30,6 +28,8 @@ class TempoStretcher:
 
     def __init__(self, speed: float, sample_rate: int = 24000) -> None:
         self.sample_rate = sample_rate
+        import av  # here, not at import time: the pipeline (and GPU benchmarks without PyAV) import this module
+
         self._graph = av.filter.Graph()
         nodes = [
             self._graph.add_abuffer(
@@ -46,6 +46,8 @@ class TempoStretcher:
     def process(self, pcm: np.ndarray) -> np.ndarray:
         if pcm.size == 0:
             return pcm.astype(np.float32)
+        from av.audio.frame import AudioFrame
+
         frame = AudioFrame.from_ndarray(np.ascontiguousarray(pcm, dtype=np.float32)[None, :], format="flt", layout="mono")
         frame.sample_rate = self.sample_rate
         frame.pts = self._pts
@@ -58,6 +60,8 @@ class TempoStretcher:
         return self._drain()
 
     def _drain(self) -> np.ndarray:
+        import av
+
         out: list[np.ndarray] = []
         while True:
             try:
