@@ -1,0 +1,162 @@
+"""Where one streaming chunk's time goes on a GPU: encoder, estimator (10 Euler steps), cache
+truncation, HiFT; eager vs the engine's fast paths; batched chunks of several streams.
+
+    python -m deploy.gpu.profile_flow --dtype float16 [--batch 1,4,16]
+
+Full-size random weights, a 150-token voice prompt, the upstream schedule. Prints JSON lines and a
+torch.profiler table of the steady chunk (top ops by CPU time), which says whether the chunk is
+bound by kernel launches (CPU time ≫ CUDA time) or by the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from backends.token2wav.engine import Token2WavEngine
+from backends.token2wav.tiny import write_token2wav_dir
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device):
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def split_chunk(engine: Token2WavEngine, state, tokens: list[int], last_chunk: bool) -> dict:
+    """Time the parts of engine._flow_chunk + _vocode separately for one chunk."""
+    flow, device = engine.flow, engine.device
+    token_tensor = torch.tensor([tokens], dtype=torch.long, device=device)
+    cache = state.flow_cache
+
+    def encode():
+        h, cnn, att = flow.encoder.forward_chunk(flow.input_embedding(token_tensor), last_chunk,
+                                                 cache.conformer_cnn, cache.conformer_att)
+        return flow.encoder_proj(h), cnn, att
+
+    (h, _, _), enc_ms = _timed(encode, device)
+    mu = h.transpose(1, 2).contiguous()
+    noise = state.flow_noise.take(h.shape[1]).to(device, engine.dtype)
+
+    def estimate():
+        return flow.decoder.forward_chunk(mu, state.voice.projected_speaker, torch.zeros_like(mu), noise,
+                                          engine.n_timesteps, cache.estimator_cnn, cache.estimator_att)
+
+    (mel, _, _), est_ms = _timed(estimate, device)
+    return {"tokens": len(tokens), "frames": int(mel.shape[2]), "cache_frames": int(cache.estimator_att.shape[4]),
+            "encoder_ms": round(enc_ms, 2), "estimator_ms": round(est_ms, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.gpu.profile_flow")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--prompt-tokens", type=int, default=150)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--size", default="full")
+    parser.add_argument("--batches", default="", help="e.g. 1,4,8,16: batched feed_many rounds with CUDA graphs")
+    args = parser.parse_args(argv)
+    device = args.device
+    rng = np.random.default_rng(0)
+    prompt = (rng.integers(0, 6561, args.prompt_tokens),
+              (rng.standard_normal((2 * args.prompt_tokens, 80)) - 5).astype(np.float32),
+              rng.standard_normal(192).astype(np.float32))
+    tokens = [int(t) for t in rng.integers(0, 6561, 600)]
+    tmp = tempfile.mkdtemp(prefix="t2w-profile-")
+    write_token2wav_dir(tmp, args.size, seed=0)
+    engine = Token2WavEngine.load(tmp, device=device, dtype=args.dtype)
+    engine.model_dir = tmp
+    voice = engine.prepare_voice(*prompt)
+    print(json.dumps({"gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__, "dtype": args.dtype}))
+
+    # Warm-up stream, then a measured one: split timings per chunk.
+    for run in range(2):
+        state = engine.start_stream(voice, seed=run)
+        at = 0
+        for size in (18, 25, 50, 100, 100, 100):
+            piece = tokens[at:at + size]
+            at += size
+            state.pending.extend(piece)
+            ready = len(state.pending) - engine.lookahead
+            if run == 1:
+                print(json.dumps({"part": "split", **split_chunk(engine, state, state.pending, False)}))
+            _, feed_ms = _timed(lambda: engine._flow_chunk(state, state.pending, last_chunk=False), engine.device)
+            state.pending = state.pending[ready:]
+            if run == 1:
+                print(json.dumps({"part": "flow_chunk_total", "tokens": size, "ms": round(feed_ms, 2)}))
+
+    # Profile one steady 100-token chunk.
+    state = engine.start_stream(voice, seed=5)
+    for size in (18, 25, 50):
+        engine.feed(state, tokens[:size], final=False)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])) as prof:
+        engine.feed(state, tokens[100:200], final=False)
+        _sync(device)
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
+    print(table)
+    events = prof.key_averages()
+    cpu_total = sum(e.self_cpu_time_total for e in events) / 1e3
+    cuda_total = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events) / 1e3
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    print(json.dumps({"part": "profile_steady_chunk", "self_cpu_ms": round(cpu_total, 1),
+                      "self_cuda_ms": round(cuda_total, 1), "kernel_launches": launches}))
+    if args.batches:
+        graphed = Token2WavEngine.load(model_dir_for(engine), device=device, dtype=args.dtype, cuda_graphs=True)
+        graphed_voice = graphed.prepare_voice(*prompt)
+        for batch in (int(b) for b in args.batches.split(",")):
+            for mode in ("graphs", "eager") if batch <= 8 else ("graphs",):
+                print(json.dumps({"part": "batched_rounds", "mode": mode, "batch": batch,
+                                  **batched_rounds(graphed, graphed_voice, tokens, batch, eager=mode == "eager")}))
+        if graphed.graphed_solve is not None:
+            print(json.dumps({"part": "graphs", "count": graphed.graphed_solve.num_graphs,
+                              "graph_mib": round(graphed.graphed_solve.graph_bytes / 2**20),
+                              "replays": graphed.graphed_solve.replays, "eager_runs": graphed.graphed_solve.eager_runs,
+                              "encoder_graphs": graphed.encode.num_graphs,
+                              "peak_gpu_mib": round(torch.cuda.max_memory_allocated() / 2**20)}))
+    return 0
+
+
+def model_dir_for(engine: Token2WavEngine) -> str:
+    return engine.model_dir
+
+
+def batched_rounds(engine: Token2WavEngine, voice, tokens: list[int], batch: int, eager: bool) -> dict:
+    """``batch`` streams of one voice fed together through the schedule 18, 25, 50, 100, 100 tokens
+    (``feed_many``: one batched flow call per round). Three passes; the third is timed (the first two
+    run eagerly and capture graphs). Returns the wall time of each round in ms."""
+    saved = engine.solve, engine.encode, engine.hift._graphed_decode
+    if eager:
+        engine.solve = functools.partial(engine.flow.decoder.forward_chunk, new_only=True)
+        engine.encode, engine.hift._graphed_decode = engine._encode, None
+    try:
+        rounds: list[float] = []
+        for attempt in range(3):
+            states = [engine.start_stream(voice, seed=attempt * 1000 + k) for k in range(batch)]
+            rounds, at = [], 0
+            for size in (18, 25, 50, 100, 100):
+                piece = tokens[at:at + size]
+                at += size
+                (results, ms) = _timed(lambda: engine.feed_many([(st, piece, False) for st in states]), engine.device)
+                assert all(isinstance(r, np.ndarray) for r in results), results
+                rounds.append(round(ms, 2))
+        return {"round_ms": rounds, "first_chunk_ms": rounds[0], "steady_100_token_ms": rounds[-1]}
+    finally:
+        engine.solve, engine.encode, engine.hift._graphed_decode = saved
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
