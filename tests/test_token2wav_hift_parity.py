@@ -8,8 +8,13 @@ comparison is exact up to float rounding. Matching upstream's draw bit for bit n
 sampling path (`reference_noise_layout=True`); the default fast path draws the same distribution in a
 contiguous layout, which the last test checks against the reference statistically.
 
-Tolerance (float32): waveform |ours - ref| <= 1e-5 (measured ~1.3e-7 on a signal of peak ~0.1),
-excitation <= 1e-6 (measured 0).
+Tolerance (float32): the excitation is sin() of a phase accumulated over the whole call; for the
+highest harmonic of the 0.4 s offline batch that phase reaches ~3 800 rad, where one float32 ulp is
+~2.4e-4 rad, and sin() of such arguments rounds differently on different CPUs (vectorised libm paths).
+Times sine_amp 0.1 that is ~2.4e-5 of excitation, which is what an AMD EPYC (AVX-512) measured against
+fixtures that matched bit for bit on the machine that made them. So: excitation <= 1e-4 (4 such
+ulps), waveform <= 5e-5 (measured 1.1e-5 on a peak of 0.106; the short streaming chunks ~1.3e-7).
+A different noise draw moves the waveform by > 1e-3 (test below), so the bounds still catch a wrong draw.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import torch
 from backends.token2wav.hift import HiFTGenerator, load_hift
 
 FIXTURES = Path(__file__).resolve().parent / "golden" / "fixtures"
-WAV_ATOL = 1e-5
-SOURCE_ATOL = 1e-6
+WAV_ATOL = 5e-5
+SOURCE_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
