@@ -29,9 +29,22 @@ _ERROR_CODES = {
 }
 
 
+def _require_numpy_1() -> None:
+    """Refuse to load under numpy 2: Triton 2.51's stub then hands the model corrupt tensors, silently.
+
+    (Measured: INT32 [1,2,3] arrived as [1,1,1]; a BYTES tensor's length prefix read as garbage.)
+    Failing the load names the problem; serving wrong audio would not.
+    """
+    if int(np.__version__.split(".")[0]) >= 2:
+        raise RuntimeError(f"token2wav_dit needs numpy<2 in the Triton stub's environment, found numpy "
+                           f"{np.__version__} at {np.__file__} (see backends/serving/triton.py)")
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         from backends.token2wav.engine import Token2WavEngine  # heavy (torch): only inside the server
+
+        _require_numpy_1()
 
         model_config = json.loads(args["model_config"])
         parameters = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
