@@ -1,0 +1,112 @@
+"""GPU benchmark: token2wav in a real tritonserver on the GPU, driven by the gateway's own code.
+
+    bash deploy/gpu/run.sh deploy.gpu.bench_triton --out $OUT --configs graphs,eager --concurrency 1,4,16,64
+
+For each config (``graphs``: CUDA graphs + batching, the default; ``eager``: batching without graphs)
+this starts Triton on GPU 0 with full-size random weights (fp16 by default) and runs:
+
+- ``python -m backends.bench token2wav``: the gateway's Token2WavClient and chunk schedule straight
+  against Triton, tokens arriving on the replayer timetable (20 ms prefill, then 5 ms per token);
+- ``python -m backends.bench pipeline`` (``--modes``): the gateway's SpeechPipeline with the LLM token
+  replayer (``backends.llm.replayer``, the named stand-in for trtllm-serve) as its LLM server.
+
+Results land in OUT/<config>-<mode>/results.json + ttfa.png, and a comparison plot per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from backends.llm.vllm_launcher import free_port
+from deploy.gpu.triton_gpu import probe, start_gpu_triton
+
+
+def _wait_http(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout_s} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.gpu.bench_triton")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/t2w"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--configs", default="graphs,eager")
+    parser.add_argument("--modes", default="token2wav,pipeline")
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--tokens", default="250", help="speech tokens per request in token2wav mode")
+    parser.add_argument("--max-batch", type=int, default=8, help="Triton max_batch_size (streams per engine call)")
+    args = parser.parse_args(argv)
+
+    from backends.llm.tiny import write_tiny_llm
+    from backends.token2wav.tiny import write_token2wav_dir
+    from backends.voices.presets import write_builtin_voices
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    model_dir, llm_dir = args.work / "token2wav", args.work / "llm"
+    if not (model_dir / "flow.pt").exists():
+        write_token2wav_dir(model_dir, "full", seed=0)
+    if not (llm_dir / "tokenizer.json").exists():
+        write_tiny_llm(llm_dir, seed=0)  # only its tokenizer is used (prompts), the replayer generates
+    voices = args.work / "voices"
+    write_builtin_voices(voices, num_tokens=150)  # 6 s voice prompts, as a cloned voice would have
+
+    port = free_port()
+    replayer = subprocess.Popen([sys.executable, "-m", "backends.llm.replayer", "--host", "127.0.0.1",
+                                 "--port", str(port), "--prefill-ms", "20", "--token-ms", "5"])
+    env = {**os.environ, "TTS_TEXT_NORMALIZATION": "false", "TTS_LOG_FORMAT": "text"}
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health")
+        for config in args.configs.split(","):
+            server = start_gpu_triton(args.work / config, model_dir, args.dtype, max_batch_size=args.max_batch,
+                                      extra_env={"TOKEN2WAV_CUDA_GRAPHS": "1" if config == "graphs" else "0"})
+            try:
+                # One utterance first: a server that cannot stream at all fails here, with its log.
+                try:
+                    rows = asyncio.run(probe(server.grpc_url, voices / "builtin" / "alloy.npz", tokens=200))
+                except Exception as exc:  # noqa: BLE001 - report and skip this config
+                    print(f"== {config}: probe failed: {exc!r}\n{server.log_tail(80)}", flush=True)
+                    continue
+                print(f"== {config}: probe ms per call " + " ".join(str(r["ms"]) for r in rows), flush=True)
+                for mode in args.modes.split(","):
+                    command = [sys.executable, "-m", "backends.bench", mode, "--concurrency", args.concurrency,
+                               "--warmup", "3", "--label", f"{config} {mode}", "--out", str(args.out / f"{config}-{mode}"),
+                               "--triton", server.grpc_url, "--voices-dir", str(voices)]
+                    if mode == "token2wav":
+                        command += ["--tokens", args.tokens]
+                    else:
+                        command += ["--llm-url", f"http://127.0.0.1:{port}/v1", "--tokenizer-dir", str(llm_dir)]
+                    print(f"== {config} / {mode}", flush=True)
+                    subprocess.run(command, env=env, check=False, timeout=900)
+            finally:
+                server.stop()
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / f"{config}-triton.log").write_text(server.log_text()[-2_000_000:])
+        for mode in args.modes.split(","):
+            runs = [str(args.out / f"{c}-{mode}" / "results.json") for c in args.configs.split(",")]
+            runs = [r for r in runs if Path(r).exists()]
+            if len(runs) > 1:
+                subprocess.run([sys.executable, "-m", "backends.bench", "plot", *runs,
+                                "--out", str(args.out / f"compare-{mode}.png")], env=env, check=False)
+    finally:
+        replayer.terminate()
+        replayer.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
