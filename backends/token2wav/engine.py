@@ -183,7 +183,7 @@ class Token2WavEngine:
             self.graphed_solve = GraphedCall(self.solve, max_bytes=graph_mib << 20)
             self.solve = self.graphed_solve
             self.encode = GraphedCall(self._encode, max_bytes=2 << 30)
-            self.hift.enable_cuda_graphs(max_shapes=16)
+            self.hift.enable_cuda_graphs(max_shapes=32)  # batch 1..8 (powers of two) x the schedule's chunk sizes
 
     # ---- loading ----
 
@@ -326,21 +326,18 @@ class Token2WavEngine:
             states = [items[i][0] for i in members]
             try:
                 mels = self._flow_chunks(states, [list(s.pending) for s in states], last_chunk=final)
-            except Exception as exc:  # noqa: BLE001 - the whole batch failed: every member's stream is unusable
-                for i in members:
-                    results[i] = exc
-                continue
-            for i, state, mel in zip(members, states, mels):
-                try:
-                    if final:
-                        pcm = self._vocode(state, mel, final=True)
-                        self._release(state)
-                    else:
+                if not final:
+                    for state in states:
                         state.pending = state.pending[len(state.pending) - self.lookahead:]
                         state.started = True
-                        pcm = self._vocode(state, mel, final=False)
-                    results[i] = self._emit(state, pcm)
-                except Exception as exc:  # noqa: BLE001
+                pcms = self._vocode_many(states, mels, final=final)
+                if final:
+                    for state in states:
+                        self._release(state)
+                for i, out in zip(members, self._emit_many(states, pcms)):
+                    results[i] = out
+            except Exception as exc:  # noqa: BLE001 - the whole batch failed: every member's stream is unusable
+                for i in members:
                     results[i] = exc
         return results  # type: ignore[return-value]
 
@@ -431,15 +428,36 @@ class Token2WavEngine:
 
     def _vocode(self, state: StreamState, chunk_mel: torch.Tensor, final: bool) -> torch.Tensor:
         """Mel chunk -> the samples that are final now (all of them when final)."""
-        mel = chunk_mel if state.hift_mel is None else torch.cat([state.hift_mel, chunk_mel], dim=2)
-        speech, source = self.hift.inference(mel, state.hift_source, generator=state.hift_generator)
+        return self._vocode_many([state], [chunk_mel], final)[0]
+
+    def _vocode_many(self, states: list[StreamState], chunk_mels: list[torch.Tensor], final: bool) -> list[torch.Tensor]:
+        """``_vocode`` for several streams: one batched HiFT call when their mel and excitation caches
+        have equal shapes (streams at the same point of the schedule), one call each otherwise.
+
+        Why: HiFT at batch 1 costs a few ms per stream even from a CUDA graph, so vocoding the streams
+        of a batched flow call one by one made every extra stream in the batch add that much latency.
+        Each stream keeps its own NSF noise (one generator per row), so its samples do not depend on
+        which streams it was batched with.
+        """
+        mels = [m if s.hift_mel is None else torch.cat([s.hift_mel, m], dim=2) for s, m in zip(states, chunk_mels)]
+        sources = [s.hift_source for s in states]
+        if len({tuple(m.shape) for m in mels}) > 1 or len({None if c is None else tuple(c.shape) for c in sources}) > 1:
+            return [pcm for s, m in zip(states, chunk_mels) for pcm in self._vocode_many([s], [m], final)]
+        cache = None if sources[0] is None else _stack(sources, 0)
+        generators = [s.hift_generator for s in states]
+        speech, source = self.hift.inference(_stack(mels, 0), cache,
+                                             generator=generators if len(generators) > 1 else generators[0])
         speech = speech.float()
-        if state.hift_speech is not None and state.hift_speech.shape[-1] > 0:
-            speech = self._cross_fade(speech, state.hift_speech)
-        state.hift_mel = mel[..., -HIFT_CACHE_FRAMES:].clone()
-        state.hift_source = source[..., -self.hift_cache_samples:].clone()
-        state.hift_speech = speech[..., -self.hift_cache_samples:].clone()
-        return speech[0] if final else speech[0, : -self.hift_cache_samples]
+        pcms = []
+        for row, state in enumerate(states):
+            own = speech[row:row + 1]
+            if state.hift_speech is not None and state.hift_speech.shape[-1] > 0:
+                own = self._cross_fade(own, state.hift_speech)
+            state.hift_mel = mels[row][..., -HIFT_CACHE_FRAMES:].clone()
+            state.hift_source = source[row:row + 1, :, -self.hift_cache_samples:].clone()
+            state.hift_speech = own[..., -self.hift_cache_samples:].clone()
+            pcms.append(own[0] if final else own[0, : -self.hift_cache_samples])
+        return pcms
 
     def _cross_fade(self, speech: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """Blend the first `overlap` samples with the previous call's held-back tail (upstream's fade_in_out)."""
@@ -451,9 +469,16 @@ class Token2WavEngine:
         return faded
 
     def _emit(self, state: StreamState, pcm: torch.Tensor) -> np.ndarray:
-        out = pcm.float().cpu().numpy().astype(np.float32, copy=False)
-        state.samples_out += int(out.shape[0])
-        return out
+        return self._emit_many([state], [pcm])[0]
+
+    def _emit_many(self, states: list[StreamState], pcms: list[torch.Tensor]) -> list[np.ndarray]:
+        """PCM tensors -> float32 arrays with one device-to-host copy (one sync) for the whole batch."""
+        lengths = [int(p.shape[0]) for p in pcms]
+        flat = torch.cat([p.float().reshape(-1) for p in pcms]).cpu().numpy()
+        outs = np.split(flat, np.cumsum(lengths)[:-1]) if len(pcms) > 1 else [flat]
+        for state, out in zip(states, outs):
+            state.samples_out += int(out.shape[0])
+        return outs
 
     @staticmethod
     def _release(state: StreamState) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -160,7 +160,7 @@ class SourceModule(nn.Module):
         self.voiced_threshold = voiced_threshold
         self.l_linear = nn.Linear(harmonic_num + 1, 1)
 
-    def forward(self, f0_samples: Tensor, generator: torch.Generator | None) -> Tensor:
+    def forward(self, f0_samples: Tensor, generator: Generators) -> Tensor:
         """f0_samples [B, L, 1] in Hz (frame F0 repeated per sample) -> excitation [B, L, 1], float32."""
         f0 = f0_samples.float()
         batch = f0.shape[0]
@@ -202,11 +202,20 @@ class SourceModule(nn.Module):
         return torch.tanh(F.linear(sines * voiced, weight, bias) + mixed_noise)
 
 
-def _draw_like(like: Tensor, generator: torch.Generator | None, *, normal: bool) -> Tensor:
+Generators = Union[torch.Generator, Sequence[torch.Generator], None]
+
+
+def _draw_like(like: Tensor, generator: Generators, *, normal: bool) -> Tensor:
     """Uniform [0,1) or standard normal float32 noise shaped and strided like `like`.
 
     Drawn on the generator's device (the tensor's when None: global RNG), then moved to `like`'s device.
+    A sequence of generators draws row b of the batch from generator b, the same numbers a batch-1 call
+    with that generator draws: streams vocoded together get what they would get alone.
     """
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != like.shape[0]:
+            raise ValueError(f"{len(generator)} generators for a batch of {like.shape[0]}")
+        return torch.cat([_draw_like(like[b:b + 1], g, normal=normal) for b, g in enumerate(generator)])
     draw_device = generator.device if generator is not None else like.device
     out = torch.empty_strided(like.shape, like.stride(), dtype=torch.float32, device=draw_device)
     out = out.normal_(generator=generator) if normal else out.uniform_(generator=generator)
@@ -337,7 +346,7 @@ class HiFTGenerator(nn.Module):
 
     # ---- forward ----
 
-    def excitation(self, speech_feat: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    def excitation(self, speech_feat: Tensor, generator: Generators = None) -> Tensor:
         """mel [B, C, T] -> NSF excitation [B, 1, T*samples_per_frame], float32."""
         f0 = self.f0_predictor(speech_feat.to(self.f0_predictor.classifier.weight.dtype))  # [B, T]
         f0_samples = f0.float().repeat_interleave(self.samples_per_frame, dim=1).unsqueeze(-1)
@@ -368,14 +377,14 @@ class HiFTGenerator(nn.Module):
         self,
         speech_feat: Tensor,
         cache_source: Tensor | None = None,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> tuple[Tensor, Tensor]:
         """mel [B, 80, T] -> (wav [B, T*480] float32, excitation [B, 1, T*480] float32).
 
         cache_source [B, 1, S]: the tail of the previous call's excitation; it replaces the first S
         samples of this call's excitation so the harmonic phase stays continuous across chunks (the
         caller re-feeds the matching mel frames in front of the new chunk, as upstream does).
-        generator: source of the NSF noise (global RNG when None).
+        generator: source of the NSF noise (global RNG when None); a sequence gives each row its own.
         """
         source = self.excitation(speech_feat, generator)
         if cache_source is not None and cache_source.shape[-1] > 0:
