@@ -12,7 +12,7 @@ steady chunk with a truncated cache), so exact keys suffice; a shape is captured
 ``capture_after``-th time it is seen, so one-off shapes (a final remainder, a burst of waiting tokens) run
 eagerly instead of paying a capture. Each graph owns static input and output buffers (for the solve the
 attention caches dominate: ~0.66 MB per cached frame per stream in fp16 at the published size); once
-their total reaches ``max_bytes`` new shapes run eagerly. There is no eviction: evicting and recapturing
+their total reaches ``max_bytes``, or free GPU memory runs short (``room_to_capture``), new shapes run eagerly. There is no eviction: evicting and recapturing
 the shapes of one schedule in turn cost more than it saved (measured on an H100).
 
 Outputs are the graph's static buffers: the caller must copy what it keeps before the next call
@@ -45,6 +45,22 @@ def _nbytes(tensors: Any) -> int:
     if isinstance(tensors, (tuple, list)):
         return sum(_nbytes(t) for t in tensors)
     return 0
+
+
+CAPTURE_HEADROOM = 2 << 30
+"""Free GPU memory (bytes, besides what a capture needs) below which no graph is captured."""
+
+
+def room_to_capture(device: torch.device, needed: int = 0) -> bool:
+    """Whether a capture can allocate without running out of memory.
+
+    Why: an allocation failure in the middle of a capture leaves the graph and its memory pool half
+    made; running eagerly when memory is short costs time, not correctness. Counts memory the driver
+    has free plus what torch's allocator holds unused.
+    """
+    free, _ = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + unused >= needed + CAPTURE_HEADROOM
 
 
 class GraphedCall:
@@ -82,7 +98,8 @@ class GraphedCall:
             if captured is None:
                 self._seen[key] += 1
                 estimate = 2 * _nbytes(tensors)  # inputs + outputs of about the same size
-                if self._seen[key] < self._capture_after or self.graph_bytes + estimate > self._max_bytes:
+                if (self._seen[key] < self._capture_after or self.graph_bytes + estimate > self._max_bytes
+                        or not room_to_capture(tensors[0].device, estimate)):
                     self.eager_runs += 1
                     return self._fn(*args)
                 captured = self._capture(args)

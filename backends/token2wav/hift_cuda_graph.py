@@ -6,20 +6,26 @@ kernels (the Snake activations) from Python. Replaying a captured graph removes 
 
 Only `decode` is graphed: the excitation draws random numbers from a caller-owned generator (which a
 graph would freeze) and is cheap. Graphs are keyed by (mel shape, source shape, dtype); streaming uses
-a handful of chunk sizes, and an LRU bound keeps the memory of rarely used shapes (each graph owns a
-private memory pool) from piling up. A lock serialises replays because the static input/output buffers
-belong to the graph, not to the call.
+a handful of chunk sizes and batches are padded to a power of two. As in ``cuda_graph.GraphedCall``, a
+shape is captured the second time it is seen (one-off shapes such as a final remainder run eagerly),
+and once ``max_shapes`` graphs exist, or their memory pools reach ``max_bytes``, new shapes run eagerly:
+graphs are never evicted. (An LRU that
+destroyed graphs, each with its private memory pool, while batched shapes churned preceded an illegal
+memory access at 64 streams on an H100.) No capture starts without free memory to spare either. A lock
+serialises replays because the static input/output buffers belong to the graph, not to the call.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from backends.token2wav.cuda_graph import room_to_capture
 
 
 @dataclass
@@ -33,13 +39,18 @@ class _CapturedDecode:
 class GraphedDecode:
     """Callable like `decode(mel, source) -> wav` that replays a CUDA graph per shape."""
 
-    def __init__(self, decode: Callable[[Tensor, Tensor], Tensor], max_shapes: int = 4, warmup_runs: int = 2) -> None:
-        if max_shapes < 1:
-            raise ValueError("max_shapes must be at least 1")
+    def __init__(self, decode: Callable[[Tensor, Tensor], Tensor], max_shapes: int = 4, warmup_runs: int = 2,
+                 capture_after: int = 2, max_bytes: int = 4 << 30) -> None:
+        if max_shapes < 1 or capture_after < 1:
+            raise ValueError("max_shapes and capture_after must be at least 1")
         self._decode = decode
         self._max_shapes = max_shapes
         self._warmup_runs = warmup_runs
-        self._graphs: OrderedDict[tuple, _CapturedDecode] = OrderedDict()
+        self._capture_after = capture_after
+        self._max_bytes = max_bytes
+        self.graph_bytes = 0
+        self._graphs: dict[tuple, _CapturedDecode] = {}
+        self._seen: Counter[tuple] = Counter()
         self._lock = threading.Lock()
 
     @property
@@ -49,22 +60,38 @@ class GraphedDecode:
     def __call__(self, mel: Tensor, source: Tensor) -> Tensor:
         if not mel.is_cuda:
             return self._decode(mel, source)
+        batch = mel.shape[0]
+        rows = 1 << (batch - 1).bit_length()
+        if rows != batch:
+            # Pad the batch to a power of two with copies of row 0 (their output is dropped): streams
+            # vocoded together come in every count, graphs only in a few (rows are independent in decode).
+            mel = torch.cat([mel, mel[:1].expand(rows - batch, *mel.shape[1:])])
+            source = torch.cat([source, source[:1].expand(rows - batch, *source.shape[1:])])
+            return self(mel, source)[:batch]
         key = (tuple(mel.shape), tuple(source.shape), mel.dtype, source.dtype, mel.device)
         with self._lock:
             captured = self._graphs.get(key)
             if captured is None:
+                self._seen[key] += 1
+                if (self._seen[key] < self._capture_after or len(self._graphs) >= self._max_shapes
+                        or self.graph_bytes >= self._max_bytes or not room_to_capture(mel.device)):
+                    return self._decode(mel, source)
                 captured = self._capture(mel, source)
                 self._graphs[key] = captured
-                while len(self._graphs) > self._max_shapes:
-                    self._graphs.popitem(last=False)
-            else:
-                self._graphs.move_to_end(key)
             captured.mel.copy_(mel)
             captured.source.copy_(source)
             captured.graph.replay()
             return captured.wav.clone()
 
     def _capture(self, mel: Tensor, source: Tensor) -> _CapturedDecode:
+        # A graph's private memory pool holds every activation of the decode (~1.5 GB at batch 8 x
+        # 200 frames, fp16): count what the capture reserved against max_bytes.
+        reserved_before = torch.cuda.memory_reserved(mel.device)
+        captured = self._capture_graph(mel, source)
+        self.graph_bytes += max(0, torch.cuda.memory_reserved(mel.device) - reserved_before)
+        return captured
+
+    def _capture_graph(self, mel: Tensor, source: Tensor) -> _CapturedDecode:
         static_mel, static_source = mel.clone(), source.clone()
         # Warm up on a side stream (cuDNN algorithm choice, lazy inits) before capturing, as torch advises.
         side = torch.cuda.Stream(device=mel.device)
