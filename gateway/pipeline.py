@@ -50,13 +50,17 @@ class ChunkSchedule:
 
     The first call needs ``first`` tokens plus the ``lookahead`` the flow's pre-lookahead layer reads
     ahead; each later call fires once ``hops[i]`` new tokens arrived (the last hop repeats). When more
-    tokens than that are waiting (token2wav is behind the LLM), all of them go in one call.
+    tokens than that are waiting (token2wav is behind the LLM), they go together, at most
+    ``max_tokens`` per call: a call's memory on the token2wav GPU grows with its size (the attention
+    caches of a 300-token catch-up chunk took ~620 MB per stream and ran an H100 out of memory at 64
+    streams), and bounded sizes repeat, so they replay from CUDA graphs.
     """
 
     name: str
     first: int
     lookahead: int
     hops: tuple[int, ...]
+    max_tokens: int = 200
 
     def tokens_needed(self, call_index: int) -> int:
         if call_index == 0:
@@ -68,7 +72,7 @@ CHUNK_SCHEDULES: dict[str, ChunkSchedule] = {
     # Upstream Step-Audio2 / CosyVoice2 streaming: 15 + 3, then 25, 50, 100, 200 ... tokens.
     "exponential": ChunkSchedule("exponential", first=15, lookahead=3, hops=(25, 50, 100, 200)),
     # Steady 1 s chunks after the first: lower per-chunk latency, more calls.
-    "fixed25": ChunkSchedule("fixed25", first=15, lookahead=3, hops=(25,)),
+    "fixed25": ChunkSchedule("fixed25", first=15, lookahead=3, hops=(25,), max_tokens=100),
 }
 
 
@@ -439,20 +443,22 @@ class PreparedSpeech:
                 needed = schedule.tokens_needed(call)
                 while not finished and len(pending) < needed:
                     finished = self._take(await queue.get(), pending)
-                while not finished and not queue.empty():  # token2wav fell behind: send all that is waiting
+                # token2wav fell behind: send what is waiting too, up to the schedule's cap per call
+                while not finished and not queue.empty() and len(pending) < schedule.max_tokens:
                     finished = self._take(queue.get_nowait(), pending)
+                chunk, pending = pending[:schedule.max_tokens], pending[schedule.max_tokens:]
+                final = finished and not pending
                 sent = time.monotonic()
                 if stream is None:
-                    stream, pcm = await self._open_stream(held, pending, finished)
+                    stream, pcm = await self._open_stream(held, chunk, final)
                 else:
-                    pcm = await stream.send(pending, final=finished)
+                    pcm = await stream.send(chunk, final=final)
                 if self._pipeline.metrics is not None:
                     self._pipeline.metrics.observe_token2wav_chunk(time.monotonic() - sent)
-                pending = []
                 call += 1
                 if pcm.size:
                     yield pcm
-                if finished:
+                if final:
                     return
 
     async def _open_stream(

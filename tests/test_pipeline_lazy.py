@@ -226,3 +226,47 @@ async def test_head_errors_are_raised_by_prepare_and_no_tail_work_starts(tokeniz
     assert info.value.status == 503
     await asyncio.sleep(0.05)
     assert not normalizer.tail_started.is_set()
+
+
+class RecordingToken2Wav(FakeToken2Wav):
+    """Records each call's (token count, final flag); each call takes 50 ms, so a fast LLM gets ahead."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool]] = []
+
+    @contextlib.asynccontextmanager
+    async def stream(self, voice: Voice) -> AsyncIterator[FakeToken2WavStream]:
+        calls = self.calls
+
+        class Recording(FakeToken2WavStream):
+            async def send(self, tokens: list[int], final: bool = False) -> np.ndarray:
+                calls.append((len(tokens), final))
+                await asyncio.sleep(0.05)
+                return await super().send(tokens, final)
+
+        yield Recording()
+
+
+async def test_tokens_waiting_for_token2wav_go_in_calls_of_at_most_max_tokens(tokenizer_dir: Path) -> None:
+    """The LLM double emits a long segment's tokens at once, as a fast LLM does while token2wav lags:
+    they must not go in one huge call (GPU memory grows with the call), nor be lost or reordered."""
+    class LongLLM(FakeLLM):
+        async def stream(self, prompt: LLMPrompt) -> AsyncIterator[int]:
+            for i in range(700):  # one segment of 28 s, generated faster than token2wav consumes it
+                self.emitted += 1
+                yield i % 6561
+                await asyncio.sleep(0)
+
+    llm = LongLLM()
+    pipeline = make_pipeline(tokenizer_dir, llm, GatedNormalizer())
+    recording = RecordingToken2Wav()
+    pipeline.token2wav = EndpointPool("token2wav", [("t2w", recording)], FakeToken2Wav.ready)
+    prepared = await pipeline.prepare(job("One sentence, one segment."))
+    samples = await drain(prepared.pcm())
+    schedule = pipeline.schedule
+    sizes = [n for n, _ in recording.calls]
+    assert samples == llm.emitted == sum(sizes) > 3 * schedule.max_tokens
+    assert sizes[0] == schedule.first + schedule.lookahead
+    assert max(sizes) <= schedule.max_tokens
+    assert sum(1 for n in sizes if n == schedule.max_tokens) >= 2  # the backlog went in capped calls
+    assert [final for _, final in recording.calls] == [False] * (len(sizes) - 1) + [True]

@@ -277,15 +277,17 @@ class Token2WavDriver:
                     finished = now >= end_at
                     if finished or arrived - taken >= needed:
                         break
-                chunk, taken = tokens[taken:arrived], arrived
+                upto = min(arrived, taken + schedule.max_tokens)  # type: ignore[union-attr]
+                chunk, taken = tokens[taken:upto], upto
+                final = finished and taken >= n
                 sent = clock()
-                pcm = await stream.send(chunk, final=finished)
+                pcm = await stream.send(chunk, final=final)
                 if call == 0:
                     record.first_chunk_s = clock() - sent
                 if pcm.size:
                     record.arrivals.append((clock(), pcm.size / SAMPLE_RATE))
                 call += 1
-                if finished:
+                if final:
                     return
 
 
