@@ -44,7 +44,7 @@ async def run(driver: Driver, args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     params = {"mode": driver.mode, "concurrency": args.concurrency, "requests": args.requests,
-              "warmup": args.warmup, "timeout_s": args.timeout_s, "ramp_s": args.ramp_s, "label": args.label,
+              "warmup": args.warmup, "warmup_each_level": args.warmup_each_level, "timeout_s": args.timeout_s, "ramp_s": args.ramp_s, "label": args.label,
               "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
               "argv": sys.argv[1:]}
     host = report.host_info()
@@ -62,6 +62,15 @@ async def run(driver: Driver, args: argparse.Namespace) -> dict:
         print(report.table([], title=f"{driver.mode}: {args.label or out}"), flush=True)
         for concurrency in args.concurrency:
             n = args.requests or default_requests(concurrency)
+            if args.warmup_each_level:
+                # One unrecorded round at this concurrency first: on a GPU with CUDA graphs, batch
+                # shapes seen for the first time are captured (hundreds of ms each); without this
+                # round those one-off captures land in the level's percentiles.
+                warm, _ = await run_level(driver, concurrency, concurrency, timeout_s=args.timeout_s, ramp_s=args.ramp_s)
+                failed = sum(1 for r in warm if r.error)
+                if failed:
+                    print(f"[bench] {failed} of {len(warm)} warm-up requests at concurrency {concurrency} failed",
+                          file=sys.stderr)
             records, wall = await run_level(driver, concurrency, n, timeout_s=args.timeout_s, ramp_s=args.ramp_s)
             summary = summarize(concurrency, records, wall)
             levels.append({"summary": summary, "requests": [r.as_dict() for r in records]})
@@ -101,6 +110,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=None,
                         help="requests per level (default: max(2 x concurrency, 8))")
     parser.add_argument("--warmup", type=int, default=1, help="unrecorded requests before the first level")
+    parser.add_argument("--warmup-each-level", action="store_true",
+                        help="one unrecorded round of `concurrency` requests before each level (steady state, "
+                             "e.g. after CUDA-graph capture of that level's batch shapes)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     parser.add_argument("--ramp-s", type=float, default=0.0,
                         help="spread the workers' first requests over this many seconds (default: all at once)")

@@ -50,6 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--tokens", default="250", help="speech tokens per request in token2wav mode")
     parser.add_argument("--max-batch", type=int, default=8, help="Triton max_batch_size (streams per engine call)")
+    parser.add_argument("--graph-mib", type=int, default=16384,
+                        help="GPU memory the estimator's CUDA graphs may hold (40 GiB ran out of memory at 64 streams on an H100)")
+    parser.add_argument("--instances", type=int, default=1,
+                        help="Triton model instances on the GPU (processes: one's Python overlaps the other's GPU work)")
+    parser.add_argument("--queue-delay-us", type=int, default=0,
+                        help="sequence batcher max_queue_delay_microseconds (collects concurrent streams' chunks)")
+    parser.add_argument("--cold-levels", dest="warm_levels", action="store_false",
+                        help="no unrecorded round before each level (graph captures land in the numbers)")
     args = parser.parse_args(argv)
 
     from backends.llm.tiny import write_tiny_llm
@@ -73,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         _wait_http(f"http://127.0.0.1:{port}/health")
         for config in args.configs.split(","):
             server = start_gpu_triton(args.work / config, model_dir, args.dtype, max_batch_size=args.max_batch,
-                                      extra_env={"TOKEN2WAV_CUDA_GRAPHS": "1" if config == "graphs" else "0"})
+                                      queue_delay_us=args.queue_delay_us, instances=args.instances,
+                                      extra_env={"TOKEN2WAV_CUDA_GRAPHS": "1" if config == "graphs" else "0",
+                                                 "TOKEN2WAV_GRAPH_MIB": str(args.graph_mib)})
             try:
                 # One utterance first: a server that cannot stream at all fails here, with its log.
                 try:
@@ -84,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {config}: probe ms per call " + " ".join(str(r["ms"]) for r in rows), flush=True)
                 for mode in args.modes.split(","):
                     command = [sys.executable, "-m", "backends.bench", mode, "--concurrency", args.concurrency,
-                               "--warmup", "3", "--label", f"{config} {mode}", "--out", str(args.out / f"{config}-{mode}"),
+                               "--warmup", "3", *(["--warmup-each-level"] if args.warm_levels else []), "--label", f"{config} {mode}", "--out", str(args.out / f"{config}-{mode}"),
                                "--triton", server.grpc_url, "--voices-dir", str(voices)]
                     if mode == "token2wav":
                         command += ["--tokens", args.tokens]

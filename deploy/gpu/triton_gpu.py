@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def gpu_model_repo(target: Path, *, max_live_streams: int = 128, max_batch_size: int = 8,
-                   max_candidates: int = 160) -> Path:
+                   max_candidates: int = 160, queue_delay_us: int = 0, instances: int = 1) -> Path:
     """A copy of model_repo_dit whose config runs one instance on GPU 0."""
     source = ROOT / "model_repo_dit"
     if target.exists():
@@ -42,18 +42,21 @@ def gpu_model_repo(target: Path, *, max_live_streams: int = 128, max_batch_size:
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
     config = target / "token2wav_dit" / "config.pbtxt"
     text = config.read_text()
-    text = re.sub(r"instance_group \[.*?\]\n", "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]\n",
+    text = re.sub(r"instance_group \[.*?\]\n", f"instance_group [ {{ count: {instances} kind: KIND_GPU gpus: [ 0 ] }} ]\n",
                   text, flags=re.S)
     text = re.sub(r"max_batch_size: \d+", f"max_batch_size: {max_batch_size}", text)
     text = re.sub(r"max_candidate_sequences: \d+", f"max_candidate_sequences: {max_candidates}", text)
     text = re.sub(r"preferred_batch_size: \[ \d+ \]", f"preferred_batch_size: [ {max_batch_size} ]", text)
+    text = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {queue_delay_us}", text)
     config.write_text(text)
     return target
 
 
 def start_gpu_triton(work: Path, model_dir: Path, dtype: str, max_live_streams: int = 128,
-                     max_batch_size: int = 8, extra_env: dict[str, str] | None = None) -> TritonServer:
-    repo = gpu_model_repo(work / "model_repo", max_live_streams=max_live_streams, max_batch_size=max_batch_size)
+                     max_batch_size: int = 8, extra_env: dict[str, str] | None = None,
+                     queue_delay_us: int = 0, instances: int = 1) -> TritonServer:
+    repo = gpu_model_repo(work / "model_repo", max_live_streams=max_live_streams, max_batch_size=max_batch_size,
+                          queue_delay_us=queue_delay_us, instances=instances)
     env = parameter_env(model_dir=model_dir.resolve(), device="cuda", dtype=dtype,
                         max_live_streams=max_live_streams, voice_cache_size=16)
     env.update(extra_env or {})
