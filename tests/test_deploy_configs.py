@@ -122,6 +122,19 @@ def test_nvidia_images_are_pinned(compose: dict) -> None:
     assert '"numpy<2"' in dockerfile and ".[backends]" in dockerfile  # the Triton stub needs numpy<2
 
 
+def test_gateway_shutdown_drain_fits_in_the_grace_periods(compose: dict) -> None:
+    """SIGTERM drains in two steps of TTS_SHUTDOWN_DRAIN_S (uvicorn's, then the app's); the image passes
+    the drain to uvicorn, and compose and Kubernetes wait for both before they SIGKILL."""
+    dockerfile = (ROOT / "deploy" / "docker" / "gateway.Dockerfile").read_text()
+    drain = int(re.search(r"TTS_SHUTDOWN_DRAIN_S=(\d+)", dockerfile).group(1))
+    assert '--timeout-graceful-shutdown \\"$TTS_SHUTDOWN_DRAIN_S\\"' in dockerfile
+    grace = compose["services"]["gateway"]["stop_grace_period"]
+    assert int(grace.rstrip("s")) >= 2 * drain
+    docs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "base" / "gateway.yaml").read_text()) if d]
+    deployment = next(d for d in docs if d.get("kind") == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 2 * drain
+
+
 def test_gateway_image_installs_without_torch() -> None:
     dockerfile = (ROOT / "deploy" / "docker" / "gateway.Dockerfile").read_text()
     assert "pip install .\n" in dockerfile.replace(" \\\n", "\n") and "torch must not be" in dockerfile

@@ -17,9 +17,11 @@ RUN pip install . \
  && python -c "import importlib.util as u, sys; sys.exit('torch must not be in the gateway image' if u.find_spec('torch') else 0)"
 RUN useradd --uid 10001 --create-home gateway && mkdir -p /voices && chown gateway /voices
 USER 10001
-ENV TTS_HOST=0.0.0.0 TTS_PORT=8000 TTS_VOICES_DIR=/voices
+ENV TTS_HOST=0.0.0.0 TTS_PORT=8000 TTS_VOICES_DIR=/voices TTS_SHUTDOWN_DRAIN_S=30
 EXPOSE 8000
-CMD ["sh", "-c", "exec uvicorn gateway.app:app --host \"$TTS_HOST\" --port \"$TTS_PORT\" --no-access-log"]
+# SIGTERM: uvicorn drains in-flight responses for TTS_SHUTDOWN_DRAIN_S, then the app's own drain runs
+# (README "Graceful shutdown"); the orchestrator's grace period covers both (compose, k8s: 70 s).
+CMD ["sh", "-c", "exec uvicorn gateway.app:app --host \"$TTS_HOST\" --port \"$TTS_PORT\" --no-access-log --timeout-graceful-shutdown \"$TTS_SHUTDOWN_DRAIN_S\""]
 
 FROM gateway AS prepare
 USER root
