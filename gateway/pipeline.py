@@ -154,6 +154,7 @@ class SpeechPipeline:
                 top_p=settings.llm_top_p,
                 top_k=settings.llm_top_k,
                 repetition_penalty=settings.llm_repetition_penalty,
+                send_min_tokens=settings.llm_send_min_tokens,
             )
             for url in settings.llm_endpoints()
         ]

@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     llm_top_p: float = 0.95
     llm_top_k: int = 50
     llm_repetition_penalty: float = 1.1
+    llm_send_min_tokens: bool = True
+    """Send ``min_tokens`` (CosyVoice's lower length bound); false for a server that rejects the field
+    (older trtllm-serve 1.x): eos then ends generation wherever the model emits it."""
 
     # --- token2wav on Triton ---
     triton_url: str = "127.0.0.1:8201"

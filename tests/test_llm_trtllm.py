@@ -200,3 +200,20 @@ async def test_server_dying_mid_stream_is_unavailable(builder: CosyVoicePromptBu
             assert len(got) >= 3
     finally:
         peer.stop()
+
+
+def test_min_tokens_can_be_switched_off_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TTS_LLM_SEND_MIN_TOKENS=false reaches every LLM client the gateway builds (older trtllm-serve
+    rejects the field) and leaves it out of the request body."""
+    from gateway.pipeline import SpeechPipeline
+    from gateway.settings import Settings
+
+    tokenizer_dir = write_tiny_tokenizer(tmp_path / "tok")
+    monkeypatch.setenv("TTS_LLM_SEND_MIN_TOKENS", "false")
+    monkeypatch.setenv("TTS_LLM_URLS", '["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"]')
+    monkeypatch.setenv("TTS_LLM_DIALECT", "trtllm")
+    pipeline = SpeechPipeline.from_settings(Settings(llm_tokenizer_dir=str(tokenizer_dir)))
+    clients = [endpoint.client for endpoint in pipeline.llm.endpoints]
+    assert len(clients) == 2 and all(not c.send_min_tokens for c in clients)
+    body = clients[0].request_body(prompt(CosyVoicePromptBuilder(str(tokenizer_dir)), min_tokens=5, max_tokens=50))
+    assert "min_tokens" not in body and body["max_tokens"] == 50
