@@ -32,13 +32,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import math
+import subprocess
+import sys
 import time
+import urllib.request
 import uuid
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,6 +327,32 @@ def build_app(config: ReplayerConfig) -> Starlette:
     app.state.stats = stats
     app.state.config = config
     return app
+
+
+@contextlib.contextmanager
+def replayer_process(port: int, *args: str, startup_timeout_s: float = 60.0) -> Iterator[str]:
+    """Run ``python -m backends.llm.replayer --port PORT ARGS...`` in a subprocess (benchmark scripts
+    start it beside the servers under test); yields its base URL (``.../v1``) once /health answers,
+    terminates it on exit."""
+    process = subprocess.Popen([sys.executable, "-m", "backends.llm.replayer", "--host", "127.0.0.1",
+                                "--port", str(port), *args])
+    root = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the replayer exited with code {process.returncode}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{root}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the replayer did not answer {root}/health within {startup_timeout_s:.0f} s")
+            time.sleep(0.2)
+        yield f"{root}/v1"
+    finally:
+        process.terminate()
+        process.wait(10)
 
 
 def main(argv: list[str] | None = None) -> None:

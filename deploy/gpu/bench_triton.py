@@ -20,24 +20,11 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
+from backends.llm.replayer import replayer_process
 from backends.llm.vllm_launcher import free_port
 from deploy.gpu.triton_gpu import probe, start_gpu_triton
-
-
-def _wait_http(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,12 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     voices = args.work / "voices"
     write_builtin_voices(voices, num_tokens=150)  # 6 s voice prompts, as a cloned voice would have
 
-    port = free_port()
-    replayer = subprocess.Popen([sys.executable, "-m", "backends.llm.replayer", "--host", "127.0.0.1",
-                                 "--port", str(port), "--prefill-ms", "20", "--token-ms", "5"])
     env = {**os.environ, "TTS_TEXT_NORMALIZATION": "false", "TTS_LOG_FORMAT": "text"}
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/health")
+    with replayer_process(free_port(), "--prefill-ms", "20", "--token-ms", "5") as llm_url:
         for config in args.configs.split(","):
             server = start_gpu_triton(args.work / config, model_dir, args.dtype, max_batch_size=args.max_batch,
                                       queue_delay_us=args.queue_delay_us, instances=args.instances,
@@ -94,12 +77,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"== {config}: probe ms per call " + " ".join(str(r["ms"]) for r in rows), flush=True)
                 for mode in args.modes.split(","):
                     command = [sys.executable, "-m", "backends.bench", mode, "--concurrency", args.concurrency,
-                               "--warmup", "3", *(["--warmup-each-level"] if args.warm_levels else []), "--label", f"{config} {mode}", "--out", str(args.out / f"{config}-{mode}"),
+                               "--warmup", "3", *(["--warmup-each-level"] if args.warm_levels else []),
+                               "--label", f"{config} {mode}", "--out", str(args.out / f"{config}-{mode}"),
                                "--triton", server.grpc_url, "--voices-dir", str(voices)]
                     if mode == "token2wav":
                         command += ["--tokens", args.tokens]
                     else:
-                        command += ["--llm-url", f"http://127.0.0.1:{port}/v1", "--tokenizer-dir", str(llm_dir)]
+                        command += ["--llm-url", llm_url, "--tokenizer-dir", str(llm_dir)]
                     print(f"== {config} / {mode}", flush=True)
                     subprocess.run(command, env=env, check=False, timeout=900)
             finally:
@@ -112,9 +96,6 @@ def main(argv: list[str] | None = None) -> int:
             if len(runs) > 1:
                 subprocess.run([sys.executable, "-m", "backends.bench", "plot", *runs,
                                 "--out", str(args.out / f"compare-{mode}.png")], env=env, check=False)
-    finally:
-        replayer.terminate()
-        replayer.wait(10)
     return 0
 
 

@@ -16,28 +16,14 @@ Writes OUT/<mode>[-<format>]/results.json and prints the bench tables.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_http(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout_s} s")
 
 
 def main() -> int:
@@ -48,36 +34,32 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    from backends.llm.replayer import replayer_process
     from backends.llm.vllm_launcher import free_port
     from deploy.local.stack import StackConfig, local_stack
 
     var = Path(tempfile.mkdtemp(prefix="tts-overhead-"))
-    replayer_port = free_port()
-    replayer_url = f"http://127.0.0.1:{replayer_port}/v1"
-    replayer = subprocess.Popen([sys.executable, "-m", "backends.llm.replayer", "--host", "127.0.0.1",
-                                 "--port", str(replayer_port), "--prefill-ms", "20", "--token-ms", "5"], cwd=ROOT)
     env = {**os.environ, "TTS_TEXT_NORMALIZATION": "false"}
     common = ["--concurrency", args.concurrency, "--warmup", "2", "--normalize", "off"]
     if args.requests:
         common += ["--requests", str(args.requests)]
     try:
-        wait_http(f"http://127.0.0.1:{replayer_port}/health")
-        cfg = StackConfig(var_dir=var, gateway_port=free_port(), llm_port=free_port(), triton_http_port=free_port(),
-                          triton_grpc_port=free_port(), triton_metrics_port=free_port(), external_llm_url=replayer_url,
-                          gateway_env={"TTS_TEXT_NORMALIZATION": "false"})
-        with local_stack(cfg) as gateway:
-            triton = f"127.0.0.1:{cfg.triton_grpc_port}"
-            runs = [("pipeline", ["pipeline", "--llm-url", replayer_url, "--triton", triton,
-                                  "--voices-dir", str(var / "voices"), "--tokenizer-dir", str(var / "models" / "llm")])]
-            runs += [(f"http-{fmt}", ["http", "--url", f"{gateway.url}/v1", "--response-format", fmt])
-                     for fmt in args.formats.split(",")]
-            for name, command in runs:
-                print(f"== {name}", flush=True)
-                subprocess.run([sys.executable, "-m", "backends.bench", *command, *common, "--label", name,
-                                "--out", str(args.out / name)], env=env, cwd=ROOT, check=False, timeout=1800)
+        with replayer_process(free_port(), "--prefill-ms", "20", "--token-ms", "5") as replayer_url:
+            cfg = StackConfig(var_dir=var, gateway_port=free_port(), llm_port=free_port(),
+                              triton_http_port=free_port(), triton_grpc_port=free_port(),
+                              triton_metrics_port=free_port(), external_llm_url=replayer_url,
+                              gateway_env={"TTS_TEXT_NORMALIZATION": "false"})
+            with local_stack(cfg) as gateway:
+                triton = f"127.0.0.1:{cfg.triton_grpc_port}"
+                runs = [("pipeline", ["pipeline", "--llm-url", replayer_url, "--triton", triton, "--voices-dir",
+                                      str(var / "voices"), "--tokenizer-dir", str(var / "models" / "llm")])]
+                runs += [(f"http-{fmt}", ["http", "--url", f"{gateway.url}/v1", "--response-format", fmt])
+                         for fmt in args.formats.split(",")]
+                for name, command in runs:
+                    print(f"== {name}", flush=True)
+                    subprocess.run([sys.executable, "-m", "backends.bench", *command, *common, "--label", name,
+                                    "--out", str(args.out / name)], env=env, cwd=ROOT, check=False, timeout=1800)
     finally:
-        replayer.terminate()
-        replayer.wait(10)
         shutil.rmtree(var, ignore_errors=True)
     return 0
 
