@@ -13,9 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=.gpu
-dl="$out/dl"
 site="$out/site"
-rm -rf "$dl"; mkdir -p "$dl"
 rm -rf "$site"
 
 platforms=(--platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64
@@ -23,44 +21,20 @@ platforms=(--platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --p
 wheels=(
     nvidia-pytriton==0.7.0 numpy==1.26.4 tritonclient==2.51.0 python-rapidjson==1.25
     pydantic==2.14.3 pydantic-core==2.50.4 pydantic-settings==2.16.3 python-dotenv==1.2.4
-    typing-inspection==0.4.5 annotated-types==0.8.0 starlette==1.10.0 uvicorn==0.54.0 fastapi==0.165.0 opentelemetry-api==1.45.2 typing-extensions==4.16.0
+    typing-inspection==0.4.5 annotated-types==0.8.0 starlette==1.10.0 uvicorn==0.54.0 fastapi==0.165.0
+    opentelemetry-api==1.45.2 typing-extensions==4.16.0
 )
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    "${platforms[@]}" -d "$dl" "${wheels[@]}"
-
-# Unpack the wheels (a wheel is a zip laid out as site-packages; .data/purelib goes to the root).
-mkdir -p "$site"
-for wheel in "$dl"/*.whl; do
-    python3 - "$wheel" "$site" <<'PY'
-import sys, zipfile
-from pathlib import Path
-wheel, site = Path(sys.argv[1]), Path(sys.argv[2])
-with zipfile.ZipFile(wheel) as archive:
-    for info in archive.infolist():
-        name = info.filename
-        parts = name.split("/")
-        if parts[0].endswith(".data"):
-            if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
-                continue  # scripts and data files (perf_analyzer, perf_client): not needed
-            name = "/".join(parts[2:])
-        if name.endswith("/"):
-            continue
-        target = site / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(archive.read(info))
-        mode = (info.external_attr >> 16) & 0o777
-        if mode:
-            target.chmod(mode)
-PY
-done
+# Installed for the GPU machine's interpreter (cp312), not this one's; each pinned, no resolver.
+python3 -m pip install -q --no-deps --no-compile --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" --target "$site" "${wheels[@]}"
+rm -rf "${site:?}/bin"  # console scripts and tritonclient's perf_analyzer binaries (40 MB): not needed
 
 # Keep only the server pieces that run on Python 3.12.
 triton="$site/pytriton/tritonserver"
 find "$site/pytriton" -mindepth 1 -maxdepth 1 ! -name tritonserver -exec rm -rf {} +
 find "$triton/python_backend_stubs" -mindepth 1 -maxdepth 1 ! -name 3.12 -exec rm -rf {} +
 rm -f "$site"/nvidia_pytriton.libs/libpython3-*
-chmod +x "$triton/bin/tritonserver" "$triton/python_backend_stubs/3.12/triton_python_backend_stub"
-rm -rf "$site"/numpy/*/tests "$site"/numpy/tests "$site"/*.dist-info/RECORD
+rm -rf "$site"/numpy/*/tests "$site"/numpy/tests
 
 tar -C "$site" -cJf "$out/site.tar.xz" .
 rm -rf "$site"
