@@ -44,7 +44,8 @@ async def run(driver: Driver, args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     params = {"mode": driver.mode, "concurrency": args.concurrency, "requests": args.requests,
-              "warmup": args.warmup, "warmup_each_level": args.warmup_each_level, "timeout_s": args.timeout_s, "ramp_s": args.ramp_s, "label": args.label,
+              "warmup": args.warmup, "warmup_each_level": args.warmup_each_level, "timeout_s": args.timeout_s,
+              "ramp_s": args.ramp_s, "label": args.label,
               "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
               "argv": sys.argv[1:]}
     host = report.host_info()
