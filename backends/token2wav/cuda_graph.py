@@ -6,17 +6,24 @@ kernels from Python (the encoder adds ~20-60 ms of the same). A graph replays a 
 launch.
 
 ``GraphedCall`` wraps a function of tensors (plus hashable non-tensor arguments such as the step count)
-and keys its graphs by the exact shapes and dtypes of the tensor arguments. Streaming with a fixed chunk
-schedule and one voice-prompt length repeats a handful of shapes (first chunk, the growing hops, then the
-steady chunk with a truncated cache), so exact keys suffice; a shape is captured only the
-``capture_after``-th time it is seen, so one-off shapes (a final remainder, a burst of waiting tokens) run
-eagerly instead of paying a capture. Each graph owns static input and output buffers (for the solve the
-attention caches dominate: ~0.66 MB per cached frame per stream in fp16 at the published size); once
-their total reaches ``max_bytes``, or free GPU memory runs short (``room_to_capture``), new shapes run eagerly. There is no eviction: evicting and recapturing
-the shapes of one schedule in turn cost more than it saved (measured on an H100).
+and keys its graphs by the exact shapes and dtypes of the tensor arguments. The engine keeps the shapes
+few (canonical chunk sizes, estimator caches padded to one length per voice prompt length, batches padded
+to a power of two); a shape is captured only the ``capture_after``-th time it is seen, so one-off shapes
+(a final remainder) run eagerly instead of paying a capture.
 
-Outputs are the graph's static buffers: the caller must copy what it keeps before the next call
-(``Token2WavEngine`` copies each stream's rows out when it splits a batch). A lock serialises replays.
+Memory: the graphs of one ``GraphedCall`` share what can be shared, because their replays never overlap
+(a lock) and a caller copies the outputs it keeps before the next call:
+- static input buffers, per (argument position, shape, dtype): the solve's attention caches (~0.66 MB per
+  cached frame per stream in fp16 at the published size) are the same tensor for every chunk size;
+- one memory pool for everything the captures allocate, so a graph's intermediates reuse another's.
+What a capture adds (measured: reserved memory before and after) counts against ``max_bytes``; once
+reached, or when free GPU memory runs short (``room_to_capture``), new shapes run eagerly. There is no
+eviction: evicting and recapturing the shapes of one schedule in turn cost more than it saved (measured
+on an H100).
+
+Outputs are the graph's static buffers, and with the shared pool another graph's replay may reuse their
+memory: the caller must copy what it keeps before the next call (``Token2WavEngine`` copies each stream's
+rows out when it splits a batch). A lock serialises replays.
 """
 
 from __future__ import annotations
@@ -76,17 +83,16 @@ class GraphedCall:
         self._warmup_runs = warmup_runs
         self._graphs: dict[tuple, _Captured] = {}
         self._seen: Counter[tuple] = Counter()
+        self._statics: dict[tuple, Tensor] = {}   # (position, shape, dtype, device) -> shared input buffer
+        self._pool: Any = None                     # one memory pool for all captures (made on first use)
         self._lock = threading.Lock()
+        self.graph_bytes = 0
         self.replays = 0
         self.eager_runs = 0
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
-
-    @property
-    def graph_bytes(self) -> int:
-        return sum(g.nbytes for g in self._graphs.values())
 
     def __call__(self, *args: Any) -> Any:
         tensors = [a for a in args if isinstance(a, Tensor)]
@@ -97,7 +103,10 @@ class GraphedCall:
             captured = self._graphs.get(key)
             if captured is None:
                 self._seen[key] += 1
-                estimate = 2 * _nbytes(tensors)  # inputs + outputs of about the same size
+                # What a capture surely adds: input buffers no other graph shares. (Outputs and pool growth
+                # are measured afterwards; the free-memory headroom covers them meanwhile.)
+                estimate = _nbytes([a for i, a in enumerate(args) if isinstance(a, Tensor)
+                                    and self._static_key(i, a) not in self._statics])
                 if (self._seen[key] < self._capture_after or self.graph_bytes + estimate > self._max_bytes
                         or not room_to_capture(tensors[0].device, estimate)):
                     self.eager_runs += 1
@@ -110,9 +119,25 @@ class GraphedCall:
             self.replays += 1
             return captured.outputs
 
+    @staticmethod
+    def _static_key(position: int, tensor: Tensor) -> tuple:
+        return position, tuple(tensor.shape), tensor.dtype, tensor.device
+
     def _capture(self, args: tuple) -> _Captured:
-        statics = [a.clone() if isinstance(a, Tensor) else a for a in args]
-        device = next(a for a in statics if isinstance(a, Tensor)).device
+        device = next(a for a in args if isinstance(a, Tensor)).device
+        reserved_before = torch.cuda.memory_reserved(device)
+        statics = []
+        for position, arg in enumerate(args):
+            if isinstance(arg, Tensor):
+                buffer = self._statics.get(self._static_key(position, arg))
+                if buffer is None:
+                    buffer = self._statics[self._static_key(position, arg)] = arg.clone()
+                else:
+                    buffer.copy_(arg)
+                arg = buffer
+            statics.append(arg)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         # Warm up on a side stream (lazy inits, library handles) before capturing, as torch advises.
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -121,7 +146,9 @@ class GraphedCall:
                 self._fn(*statics)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._fn(*statics)
+        nbytes = max(0, torch.cuda.memory_reserved(device) - reserved_before)
+        self.graph_bytes += nbytes
         inputs = [a for a in statics if isinstance(a, Tensor)]
-        return _Captured(graph, inputs, outputs, _nbytes(inputs) + _nbytes(outputs))
+        return _Captured(graph, inputs, outputs, nbytes)

@@ -67,8 +67,14 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x)
         return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask.unsqueeze(1)))
 
-    def forward_chunk(self, x: torch.Tensor, att_cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_chunk(self, x: torch.Tensor, att_cache: Optional[torch.Tensor],
+                      key_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x (b, t, c); att_cache (b, h, t_cache, 2*head_dim) newest-first.
+
+        ``key_mask`` (b, 1, 1, t + t_cache): an additive bias, -inf for keys that take no part. It lets
+        streams whose caches differ in length share one batch (each cache padded to a common length).
+        The DiT has no positional encoding, so where the padding sits does not matter, only that it
+        is masked.
 
         Returns the output and this chunk's own keys/values (b, h, t, 2*head_dim); the new cache is
         ``cat([that, att_cache], dim=2)`` (newest first), left to the caller.
@@ -79,7 +85,7 @@ class Attention(nn.Module):
             k_cache, v_cache = att_cache.chunk(2, dim=3)
             k = torch.cat([k, k_cache], dim=2)
             v = torch.cat([v, v_cache], dim=2)
-        return self._out(F.scaled_dot_product_attention(q, k, v)), new_kv
+        return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)), new_kv
 
 
 class TimestepEmbedder(nn.Module):
@@ -203,11 +209,12 @@ class DiTBlock(nn.Module):
         return x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
 
     def forward_chunk(
-        self, x: torch.Tensor, c: torch.Tensor, cnn_cache: Optional[torch.Tensor], att_cache: Optional[torch.Tensor]
+        self, x: torch.Tensor, c: torch.Tensor, cnn_cache: Optional[torch.Tensor], att_cache: Optional[torch.Tensor],
+        key_mask: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
          shift_conv, scale_conv, gate_conv) = self.adaLN_modulation(c).chunk(9, dim=-1)
-        attended, new_att = self.attn.forward_chunk(modulate(self.norm1(x), shift_msa, scale_msa), att_cache)
+        attended, new_att = self.attn.forward_chunk(modulate(self.norm1(x), shift_msa, scale_msa), att_cache, key_mask)
         x = x + gate_msa * attended
         convolved, new_cnn = self.conv.forward_chunk(modulate(self.norm3(x), shift_conv, scale_conv), cnn_cache)
         x = x + gate_conv * convolved
@@ -276,22 +283,31 @@ class DiT(nn.Module):
         cond: Optional[torch.Tensor],
         cnn_cache: Optional[torch.Tensor] = None,
         att_cache: Optional[torch.Tensor] = None,
+        key_mask: Optional[torch.Tensor] = None,
         new_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One chunk. cnn_cache (depth, b, 2*hidden, 2); att_cache (depth, b, heads, t_cache, 2*head_dim).
 
+        ``key_mask`` (b, t + t_cache) bool: which frames of [this chunk, the cache] are real keys (False:
+        padding, ignored); lets streams with different chunk and cache lengths share a batch.
         ``new_only``: return only this chunk's frames of the attention cache (the caller prepends them
         to its old cache); a CUDA graph then keeps a static output of the chunk's size, not the cache's.
 
         Returns the output (b, out, t) and freshly allocated caches (never views of shared buffers).
         """
         h, c = self._inputs(x, mu, t, spks, cond)
+        key_bias = None
+        if key_mask is not None:
+            # As an additive bias, made once: a bool mask would be converted in each of the blocks.
+            key_bias = torch.zeros(key_mask.shape, dtype=h.dtype, device=h.device).masked_fill(~key_mask, float("-inf"))
+            key_bias = key_bias[:, None, None, :]
         new_cnn, new_att = [], []
         for i, block in enumerate(self.blocks):
             h, block_cnn, block_att = block.forward_chunk(
                 h, c,
                 cnn_cache[i] if cnn_cache is not None else None,
                 att_cache[i] if att_cache is not None else None,
+                key_bias,
             )
             new_cnn.append(block_cnn)
             if att_cache is not None and not new_only:

@@ -75,10 +75,12 @@ class CausalConditionalCFM(nn.Module):
         n_timesteps: int = 10,
         cnn_cache: Optional[torch.Tensor] = None,
         att_cache: Optional[torch.Tensor] = None,
+        key_mask: Optional[torch.Tensor] = None,
         new_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One streaming chunk. Returns mel (b, 80, t) and the new per-step caches.
 
+        ``key_mask`` (2b, t + t_cache) bool: the real frames of a padded chunk and cache (DiT.forward_chunk).
         ``new_only``: the attention caches returned hold only this chunk's frames (see DiT.forward_chunk).
         """
         t_span = cosine_t_span(n_timesteps, mu.device, mu.dtype)
@@ -94,7 +96,7 @@ class CausalConditionalCFM(nn.Module):
                 x.repeat(2, 1, 1), mu_in, t.repeat(2 * x.shape[0]), spks_in, cond_in,
                 cnn_cache[step - 1] if cnn_cache is not None else None,
                 att_cache[step - 1] if att_cache is not None else None,
-                new_only=new_only,
+                key_mask, new_only=new_only,
             )
             new_cnn.append(step_cnn)
             new_att.append(step_att)
