@@ -93,11 +93,13 @@ def test_stream_length_is_exactly_960_per_token(engine, voice, sizes):
 
 def test_final_flush_with_no_new_tokens_returns_the_held_back_tail(engine, voice):
     state = engine.start_stream(voice)
-    tokens = _tokens(30)
-    first = engine.feed(state, tokens, final=False)
-    assert first.size == 27 * SAMPLES_PER_TOKEN - HELD_BACK
-    tail = engine.feed(state, [], final=True)   # 3 lookahead tokens + the held-back samples
-    assert tail.size == 3 * SAMPLES_PER_TOKEN + HELD_BACK
+    tokens = _tokens(45)
+    first = engine.feed(state, tokens, final=False)   # the first chunk is 15 tokens; 27 wait, +3 lookahead
+    assert first.size == 15 * SAMPLES_PER_TOKEN - HELD_BACK
+    second = engine.feed(state, [], final=False)      # 25 of them (whole chunks), 2 + 3 wait
+    assert second.size == 25 * SAMPLES_PER_TOKEN
+    tail = engine.feed(state, [], final=True)   # 2 + 3 lookahead tokens + the held-back samples
+    assert tail.size == 5 * SAMPLES_PER_TOKEN + HELD_BACK
     assert state.flow_cache is None and state.pending == []   # state released on final
     with pytest.raises(RuntimeError, match="already finished"):
         engine.feed(state, [1], final=False)
@@ -194,17 +196,17 @@ def test_offline_synthesis_length_and_closeness_to_streaming(engine, voice):
     # chunk-causal, offline sees everything, so they differ most in the first chunk. Measured at this
     # config: 1.8 % relative RMS overall, 6.4 % on the first chunk, <1 % from the 4th chunk on.
     mels = []
-    original = engine._vocode
+    original = engine._vocode_many
 
-    def record(state, mel, final):
-        mels.append(mel.clone())
-        return original(state, mel, final)
+    def record(states, chunk_mels, final):
+        mels.append(chunk_mels[0].clone())
+        return original(states, chunk_mels, final)
 
-    engine._vocode = record
+    engine._vocode_many = record
     try:
         streamed = np.concatenate(_run_stream(engine, voice, tokens, stream_schedule(300), seed=5))
     finally:
-        engine._vocode = original
+        engine._vocode_many = original
     assert streamed.shape == offline.shape
     stream_mel = torch.cat(mels, dim=2)
     noise = torch.cat([voice.prompt_noise, FrameNoise(5).take(600)], dim=2)
@@ -323,12 +325,12 @@ def test_feed_many_batches_equal_chunks_and_matches_solo_streams(engine, voice, 
     """Four streams fed together: three of one voice at the same schedule point (one batch of 3,
     padded to 4 with CUDA graphs), one other voice and schedule (its own group). Each stream's audio
     equals its solo run."""
-    if padded:
-        request.getfixturevalue("padded_batches")
     sizes_a, sizes_c = [18, 25, 50, 7], [20, 9, 30]
     streams = [(voice, _tokens(100, 1), sizes_a, 11), (voice, _tokens(100, 2), sizes_a, 12),
                (voice, _tokens(100, 4), sizes_a, 14), (other_voice, _tokens(59, 3), sizes_c, 13)]
-    solo = [_solo(engine, v, t, s, seed) for v, t, s, seed in streams]
+    solo = [_solo(engine, v, t, s, seed) for v, t, s, seed in streams]   # exact shapes, no padding
+    if padded:
+        request.getfixturevalue("padded_batches")
     states = [engine.start_stream(v, seed=seed) for v, _, _, seed in streams]
     outputs: list[list[np.ndarray]] = [[] for _ in streams]
     offsets = [0] * len(streams)
@@ -358,3 +360,111 @@ def test_feed_many_reports_errors_per_stream(engine, voice):
     assert isinstance(results[0], np.ndarray) and results[0].size > 0
     assert isinstance(results[1], RuntimeError) and "already finished" in str(results[1])
     assert isinstance(results[2], ValueError) and "outside the speech token range" in str(results[2])
+
+
+@pytest.mark.parametrize("started, pending, final, chunks", [
+    (False, 17, False, []),                                  # the first chunk waits for 15 + 3
+    (False, 18, False, [(15, False)]),
+    (False, 60, False, [(15, False)]),                       # first audio first: the rest waits
+    (False, 10, True, [(10, True)]),                         # a short utterance: one last chunk
+    (False, 60, True, [(15, False), (25, False), (20, True)]),
+    (True, 28, False, [(25, False)]),
+    (True, 43, False, [(25, False)]),                        # a catch-up remainder of 15 waits
+    (True, 103, False, [(100, False)]),
+    (True, 290, False, [(100, False), (100, False), (75, False)]),
+    (True, 4, False, [(1, False)]),                          # small pieces come back at once
+    (True, 2, True, [(2, True)]),
+    (True, 131, True, [(100, False), (25, False), (6, True)]),
+])
+def test_plan_chunks_uses_canonical_sizes(engine, started, pending, final, chunks):
+    """Every non-last chunk after the first is a multiple of 25 tokens up to 100, so a stream that
+    fell behind its LLM reuses the shapes (and CUDA graphs) of the schedule instead of making new ones."""
+    assert engine.plan_chunks(started, pending, final) == chunks
+    consumed = sum(n for n, _ in chunks)
+    if final:
+        assert consumed == pending
+    else:
+        assert pending - consumed >= 3   # the lookahead always stays
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["exact-batches", "padded-batches"])
+def test_streams_at_different_schedule_points_share_one_solve(engine, voice, other_voice, padded, request):
+    """Stream b starts one call after stream a (and has a voice of another prompt length), so their
+    25-token chunks meet with different estimator cache lengths: they run as one solve over padded,
+    masked caches, and each stream's audio still equals its solo run."""
+    sizes = [18, 25, 25, 25, 27]
+    tokens_a, tokens_b = _tokens(120, 21), _tokens(120, 22)
+    solo_a = _solo(engine, voice, tokens_a, sizes, seed=3)   # exact shapes, no padding
+    solo_b = _solo(engine, other_voice, tokens_b, sizes, seed=4)
+    if padded:   # rows, caches and last chunks padded as with CUDA graphs
+        request.getfixturevalue("padded_batches")
+    solves: list[tuple[int, bool]] = []
+    solve = engine.solve
+
+    def recording_solve(mu, *rest):
+        mask = rest[-1]
+        solves.append((mu.shape[0], mask is not None and not bool(mask.all())))
+        return solve(mu, *rest)
+
+    engine.solve = recording_solve
+    try:
+        a, b = engine.start_stream(voice, seed=3), engine.start_stream(other_voice, seed=4)
+        out_a, out_b, at_a, at_b = [], [], 0, 0
+        for step in range(len(sizes) + 1):
+            items = []
+            if step < len(sizes):
+                items.append((a, tokens_a[at_a:at_a + sizes[step]], step == len(sizes) - 1))
+                at_a += sizes[step]
+            if step >= 1:
+                items.append((b, tokens_b[at_b:at_b + sizes[step - 1]], step - 1 == len(sizes) - 1))
+                at_b += sizes[step - 1]
+            results = engine.feed_many(items)
+            if step < len(sizes):
+                out_a.append(results.pop(0))
+            if step >= 1:
+                out_b.append(results.pop(0))
+    finally:
+        engine.solve = solve
+    assert any(rows >= 2 and masked for rows, masked in solves), solves
+    np.testing.assert_allclose(np.concatenate(out_a), solo_a, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate(out_b), solo_b, atol=1e-4)
+
+
+def test_feed_many_reports_each_result_as_soon_as_it_is_ready(engine, voice):
+    """A first chunk (15 tokens) runs before another stream's 100-token chunk in the same call and is
+    reported first; the callback gets exactly what the call returns, once per item."""
+    busy = engine.start_stream(voice, seed=1)
+    engine.feed(busy, _tokens(18, 1), final=False)
+    engine.feed(busy, _tokens(25, 2), final=False)
+    fresh = engine.start_stream(voice, seed=2)
+    waiting = engine.start_stream(voice, seed=3)
+    seen: list[tuple[int, object]] = []
+    results = engine.feed_many([(busy, _tokens(100, 3), False), (fresh, _tokens(18, 4), False),
+                                (waiting, _tokens(5, 5), False)], on_result=lambda i, r: seen.append((i, r)))
+    assert [i for i, _ in seen] == [2, 1, 0]   # nothing to do, then the first chunk, then the long chunk
+    assert all(r is results[i] for i, r in seen)
+    assert results[0].size == 100 * SAMPLES_PER_TOKEN and results[2].size == 0
+
+
+def test_warm_up_runs_every_canonical_shape_only_with_cuda_graphs(engine, voice, request):
+    """Without graphs there is nothing to capture. With them (here: the graph wrapper, which runs
+    eagerly on the CPU) every batch size up to max_rows sees the first chunk, each whole chunk size and
+    a padded last chunk twice, so each solve shape reaches the capture threshold before serving."""
+    assert engine.warm_up(voice, max_rows=4) == 0
+    request.getfixturevalue("padded_batches")
+    shapes: list[tuple] = []
+    solve = engine.solve
+
+    def recording_solve(mu, *rest):
+        shapes.append((mu.shape[0], mu.shape[2]))
+        return solve(mu, *rest)
+
+    engine.solve = recording_solve
+    try:
+        calls = engine.warm_up(voice, max_rows=4)
+    finally:
+        engine.solve = solve
+    assert calls == 3 * 2 * 6   # batches 1, 2, 4; twice; 18, 25, 50, 75, 100 tokens and the last chunk
+    frames = {30, 50, 100, 150, 200, engine.last_chunk_frames}
+    assert {(rows, f): shapes.count((rows, f)) for rows in (1, 2, 4) for f in frames} == \
+        {(rows, f): 2 for rows in (1, 2, 4) for f in frames}

@@ -237,3 +237,51 @@ def test_voice_cache_capacity():
     assert cache.get("a") == 1  # a is now most recent
     cache.put("c", 3)
     assert "b" not in cache and "a" in cache and "c" in cache
+
+
+class CallbackFakeEngine(CountingFakeEngine):
+    """Test double with ``feed_many`` that reports results in reverse order, as soon as each is ready."""
+
+    def feed_many(self, items, on_result=None):
+        results = [self.feed(state, tokens, final) for state, tokens, final in items]
+        for index in reversed(range(len(items))):
+            if on_result is not None:
+                on_result(index, results[index])
+        return results
+
+
+def test_handle_many_answers_each_request_when_its_result_is_ready(clock):
+    """The service passes the engine's early results on at once (mapped to request positions), and
+    answers requests that need no engine work (probes, errors) before any engine work."""
+    service = Token2WavService(CallbackFakeEngine(), ServiceConfig(max_live_streams=8), clock=clock)
+    voice_id, voice = make_voice(0)
+    service.handle(start(1, voice_id, voice))
+    service.handle(start(2, voice_id, None))
+    order: list[int] = []
+    results = service.handle_many([chunk(1, (7, 8, 9)), ChunkRequest(99, start=True, end=True, tokens=np.zeros((1, 0), np.int32)),
+                                   chunk(2, (1,), end=True), chunk(3)], on_result=lambda i, r: order.append(i))
+    assert order == [1, 3, 2, 0]   # probe and unknown stream first, then the engine's reverse order
+    assert results[0].pcm.size == 3 and results[2].pcm.size == 1
+    assert isinstance(results[3], BadRequest)
+    assert service.live_sequences() == 1   # stream 2 ended
+
+
+def test_warm_up_uses_a_synthetic_voice_of_the_configured_length(clock):
+    """Off by default; with warmup_prompt_tokens the engine's warm_up gets a voice of that many prompt
+    tokens (and the batch limit); engines without warm_up are left alone."""
+
+    class WarmingEngine(CountingFakeEngine):
+        def __init__(self):
+            super().__init__()
+            self.warmed = []
+
+        def warm_up(self, voice, max_rows):
+            self.warmed.append((len(voice["tokens"]), max_rows))
+            return 7
+
+    engine = WarmingEngine()
+    assert Token2WavService(engine, ServiceConfig(), clock=clock).warm_up(max_rows=16) == 0
+    service = Token2WavService(engine, ServiceConfig(warmup_prompt_tokens=150), clock=clock)
+    assert service.warm_up(max_rows=16) == 7
+    assert engine.warmed == [(150, 16)]
+    assert Token2WavService(CountingFakeEngine(), ServiceConfig(warmup_prompt_tokens=150), clock=clock).warm_up(4) == 0

@@ -28,27 +28,28 @@ def _sync(device: torch.device) -> None:
 def _timed_stream(engine: Token2WavEngine, voice, tokens: list[int], sizes: list[int]) -> list[dict]:
     """Run one stream; time flow and vocoder per feed() call."""
     timings: list[dict] = []
-    flow_chunk, vocode = engine._flow_chunk, engine._vocode
+    flow_chunks, vocode_many = engine._flow_chunks, engine._vocode_many
     current: dict = {}
 
-    def timed_flow(state, pending, last_chunk):
+    def timed_flow(states, pending, last_chunk):
         _sync(engine.device)
         start = time.perf_counter()
-        mel = flow_chunk(state, pending, last_chunk)
+        mels = flow_chunks(states, pending, last_chunk)
         _sync(engine.device)
-        current["flow_ms"] = (time.perf_counter() - start) * 1e3
-        current["frames"] = int(mel.shape[2])
-        return mel
+        # a call may synthesise several chunks (plan_chunks): sum them
+        current["flow_ms"] = current.get("flow_ms", 0.0) + (time.perf_counter() - start) * 1e3
+        current["frames"] = current.get("frames", 0) + int(mels[0].shape[2])
+        return mels
 
-    def timed_vocode(state, mel, final):
+    def timed_vocode(states, mels, final):
         _sync(engine.device)
         start = time.perf_counter()
-        pcm = vocode(state, mel, final)
+        pcms = vocode_many(states, mels, final)
         _sync(engine.device)
-        current["hift_ms"] = (time.perf_counter() - start) * 1e3
-        return pcm
+        current["hift_ms"] = current.get("hift_ms", 0.0) + (time.perf_counter() - start) * 1e3
+        return pcms
 
-    engine._flow_chunk, engine._vocode = timed_flow, timed_vocode
+    engine._flow_chunks, engine._vocode_many = timed_flow, timed_vocode
     try:
         state = engine.start_stream(voice, seed=1)
         at = 0
@@ -59,7 +60,7 @@ def _timed_stream(engine: Token2WavEngine, voice, tokens: list[int], sizes: list
             timings.append({**current, "tokens_in": size, "samples_out": int(pcm.size),
                             "state_mib": round(engine.state_nbytes(state) / 2**20, 1)})
     finally:
-        engine._flow_chunk, engine._vocode = flow_chunk, vocode
+        engine._flow_chunks, engine._vocode_many = flow_chunks, vocode_many
     return timings
 
 

@@ -9,9 +9,11 @@ Call sequence (mirrors the Step-Audio2 ``token2wav.py`` wrapper, without its glo
 
 Streaming rules:
 - The flow needs ``pre_lookahead_len`` (3) future tokens for every token it turns into mel, so a
-  non-final ``feed`` synthesises all buffered tokens except the last 3, and the first one waits until
-  15 + 3 tokens are buffered (returns an empty array until then). ``final=True`` synthesises the rest,
-  with the lookahead replaced by zero padding as upstream does.
+  non-final ``feed`` never synthesises the last 3 buffered tokens, and the first one waits until
+  15 + 3 tokens are buffered (returns an empty array until then). Of the rest it synthesises whole
+  chunks of canonical sizes (``plan_chunks``: 15 first, then multiples of 25 up to 100); a shorter
+  remainder waits for the next call. ``final=True`` synthesises everything, the last chunk with the
+  lookahead replaced by zero padding as upstream does.
 - Every synthesised token gives 2 mel frames = 960 samples. HiFT output is held back by 8 mel frames
   (3840 samples) to cross-fade with the next call (Hamming window, as upstream), so a stream of N tokens
   yields exactly N * 960 samples in total once flushed.
@@ -27,12 +29,14 @@ same frame noise as a stream with the same seed.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from backends.token2wav.config import load_flow
 from backends.token2wav.cuda_graph import GraphedCall
@@ -43,6 +47,9 @@ SAMPLE_RATE = 24000
 NUM_SPEECH_TOKENS = 6561          # FSQ codes 0..6560
 SILENCE_TOKEN = 4218              # Step-Audio2's lookahead pad when preparing a voice
 FIRST_CHUNK_TOKENS = 15           # tokens synthesised by the first streaming call (+ lookahead)
+CHUNK_QUANTUM_TOKENS = 25         # later chunks are multiples of this (see plan_chunks) ...
+MAX_CHUNK_TOKENS = 100            # ... of at most this many tokens
+CACHE_WIDTH_STEP = 100            # with CUDA graphs, estimator caches are padded to a multiple of this (frames)
 HIFT_CACHE_FRAMES = 8             # mel frames re-fed to HiFT for the cross-fade (160 ms)
 CACHE_RECENT_FRAMES = 100         # frames kept besides the prompt when truncating caches
 VOICE_NOISE_SEED = 0x5EED         # noise for the prompt frames of every voice (fixed: voices are shared)
@@ -158,7 +165,12 @@ class Token2WavEngine:
 
     def __init__(self, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator, device: Union[str, torch.device] = "cpu",
                  dtype: Union[str, torch.dtype] = "float32", n_timesteps: int = N_TIMESTEPS, cuda_graphs: bool = False,
-                 graph_mib: int = 16384):
+                 graph_mib: int = 16384, chunk_quantum: int = CHUNK_QUANTUM_TOKENS,
+                 max_chunk_tokens: int = MAX_CHUNK_TOKENS):
+        if not 1 <= chunk_quantum <= max_chunk_tokens:
+            raise ValueError(f"need 1 <= chunk_quantum ({chunk_quantum}) <= max_chunk_tokens ({max_chunk_tokens})")
+        self.chunk_quantum = chunk_quantum
+        self.max_chunk_tokens = max_chunk_tokens
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.flow = flow.to(device=self.device, dtype=self.dtype).eval()
@@ -168,6 +180,8 @@ class Token2WavEngine:
         self.n_timesteps = n_timesteps
         self.mel_channels = self.flow.output_size
         self.lookahead = self.flow.pre_lookahead_len
+        # Every last chunk plan_chunks makes fits this (a remainder under the quantum, plus the lookahead).
+        self.last_chunk_frames = (chunk_quantum + self.lookahead) * self.flow.up_rate
         self.samples_per_frame = int(getattr(hift, "samples_per_frame", 480))
         self.samples_per_token = self.samples_per_frame * self.flow.up_rate
         self.hift_cache_samples = HIFT_CACHE_FRAMES * self.samples_per_frame
@@ -183,7 +197,7 @@ class Token2WavEngine:
             self.graphed_solve = GraphedCall(self.solve, max_bytes=graph_mib << 20)
             self.solve = self.graphed_solve
             self.encode = GraphedCall(self._encode, max_bytes=2 << 30)
-            self.hift.enable_cuda_graphs(max_shapes=32)  # batch 1..8 (powers of two) x the schedule's chunk sizes
+            self.hift.enable_cuda_graphs(max_shapes=64)  # batch 1..16 (powers of two) x the canonical chunk sizes
 
     # ---- loading ----
 
@@ -264,42 +278,82 @@ class Token2WavEngine:
     @torch.inference_mode()
     def feed(self, state: StreamState, tokens: TokensLike, final: bool) -> np.ndarray:
         """Append tokens; return the PCM (float32, 24 kHz, mono) that became ready, possibly empty."""
-        ids = validate_tokens(tokens)
-        if state.finished:
-            raise RuntimeError("this stream was already finished (final=True); start a new stream")
-        state.pending.extend(ids)
-        state.tokens_fed += len(ids)
-        if final:
-            state.finished = True
-            if not state.pending:
-                pcm = state.hift_speech[0] if state.hift_speech is not None else torch.zeros(0)
-            else:
-                mel = self._flow_chunk(state, state.pending, last_chunk=True)
-                pcm = self._vocode(state, mel, final=True)
-            self._release(state)
-            return self._emit(state, pcm)
+        result = self.feed_many([(state, tokens, final)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-        ready = len(state.pending) - self.lookahead
-        if ready < (1 if state.started else FIRST_CHUNK_TOKENS):
-            return np.zeros(0, dtype=np.float32)
-        mel = self._flow_chunk(state, state.pending, last_chunk=False)
-        state.pending = state.pending[ready:]
-        state.started = True
-        return self._emit(state, self._vocode(state, mel, final=False))
+    def plan_chunks(self, started: bool, pending: int, final: bool) -> list[tuple[int, bool]]:
+        """How a call turns ``pending`` buffered tokens into flow chunks: (tokens consumed, last_chunk)
+        in order; a non-last chunk also reads the ``lookahead`` tokens after the ones it consumes.
+
+        Why: a CUDA graph serves one shape. A stream that falls behind its LLM sends every token that
+        waited (any count); synthesised as one chunk, each such count was a new shape that ran eagerly
+        at ~10x the cost, exactly when the server was busiest. So the first chunk is FIRST_CHUNK_TOKENS
+        (the rest waits for the next call: first audio as early as possible), later chunks are whole
+        multiples of ``chunk_quantum`` of at most ``max_chunk_tokens``, and a remainder shorter than the
+        quantum waits for the next call, unless it is all the call has (a client feeding small pieces
+        gets each back at once). A final call flushes everything: whole chunks, then the remainder and
+        the lookahead tokens as the last chunk.
+        """
+        ready, chunks = pending - self.lookahead, []
+        if not started:
+            if ready < FIRST_CHUNK_TOKENS:
+                return [(pending, True)] if final and pending else []
+            chunks.append((FIRST_CHUNK_TOKENS, False))
+            ready -= FIRST_CHUNK_TOKENS
+            if not final:
+                return chunks
+        while ready >= self.max_chunk_tokens:
+            chunks.append((self.max_chunk_tokens, False))
+            ready -= self.max_chunk_tokens
+        whole = max(ready, 0) // self.chunk_quantum * self.chunk_quantum
+        if whole:
+            chunks.append((whole, False))
+            ready -= whole
+        elif not chunks and ready > 0 and not final:
+            chunks.append((ready, False))
+            ready = 0
+        if final:
+            chunks.append((ready + self.lookahead, True))
+        return chunks
 
     @torch.inference_mode()
-    def feed_many(self, items: Sequence[tuple[StreamState, TokensLike, bool]]) -> list[Union[np.ndarray, Exception]]:
-        """``feed`` for several streams at once: chunks of equal shape run as one batched flow call.
+    def feed_many(self, items: Sequence[tuple[StreamState, TokensLike, bool]],
+                  on_result: Optional[Callable[[int, Union[np.ndarray, Exception]], None]] = None,
+                  ) -> list[Union[np.ndarray, Exception]]:
+        """``feed`` for several streams at once: their chunks run as batched flow and HiFT calls.
 
         Each item is (state, tokens, final); the result list holds, per item, its PCM or the exception
-        its feed raised (that stream is unusable afterwards, as after a failed ``feed``). Chunks are
-        batched when they have the same token count, the same cache lengths and the same final flag
-        (streams at the same point of the same schedule with voices of equal prompt length); anything
-        else runs in a smaller batch. The output of each stream is what ``feed`` would give, up to
-        floating-point rounding of the batched matrix products.
+        its feed raised (that stream is unusable afterwards, as after a failed ``feed``). Each call's
+        tokens become chunks by ``plan_chunks``; the chunks run in rounds (every stream's next chunk),
+        and within a round chunks with the same token count and final flag form one batch whatever
+        their cache lengths (the estimator's caches are padded and masked). The output of each stream
+        is what ``feed`` would give, up to floating-point rounding of the batched matrix products.
+
+        ``on_result(index, result)`` is called as soon as an item's result is known, before the rest
+        of the batch is done: within a round the smallest chunks (first chunks above all) run first,
+        so a server that answers from this callback gives first audio without waiting for other
+        streams' long chunks.
         """
         results: list[Union[np.ndarray, Exception, None]] = [None] * len(items)
-        groups: dict[tuple, list[int]] = {}
+        pieces: dict[int, list[torch.Tensor]] = {}
+        plans: dict[int, list[tuple[int, bool]]] = {}
+
+        def settle(indices: list[int], outcome: Optional[Exception] = None) -> None:
+            if outcome is None and indices:
+                pcms = [p[0] if len(p) == 1 else torch.cat(p) for p in (pieces[i] for i in indices)]
+                outputs: list = self._emit_many([items[i][0] for i in indices], pcms)
+            else:
+                outputs = [outcome] * len(indices)
+            for i, output in zip(indices, outputs):
+                results[i] = output
+                pieces.pop(i, None)
+                plans.pop(i, None)
+                if on_result is not None:
+                    on_result(i, output)
+
+        flushed: list[int] = []
         for index, (state, tokens, final) in enumerate(items):
             try:
                 ids = validate_tokens(tokens)
@@ -307,39 +361,76 @@ class Token2WavEngine:
                     raise RuntimeError("this stream was already finished (final=True); start a new stream")
                 state.pending.extend(ids)
                 state.tokens_fed += len(ids)
-                if final:
-                    state.finished = True
-                    if not state.pending:
-                        pcm = state.hift_speech[0] if state.hift_speech is not None else torch.zeros(0)
-                        self._release(state)
-                        results[index] = self._emit(state, pcm)
-                        continue
-                elif len(state.pending) - self.lookahead < (1 if state.started else FIRST_CHUNK_TOKENS):
-                    results[index] = np.zeros(0, dtype=np.float32)
+                state.finished = bool(final)
+                if final and not state.pending:  # nothing left to synthesise: release the held-back tail
+                    tail = state.hift_speech[0] if state.hift_speech is not None else torch.zeros(0, device=self.device)
+                    pieces[index] = [tail]
+                    self._release(state)
+                    flushed.append(index)
                     continue
-                cache = state.flow_cache
-                key = (bool(final), len(state.pending), tuple(cache.conformer_att.shape), tuple(cache.estimator_att.shape))
-                groups.setdefault(key, []).append(index)
+                plan = self.plan_chunks(state.started, len(state.pending), bool(final))
+                if plan:
+                    plans[index], pieces[index] = plan, []
+                else:
+                    results[index] = np.zeros(0, dtype=np.float32)
+                    if on_result is not None:
+                        on_result(index, results[index])
             except Exception as exc:  # noqa: BLE001 - reported per stream
-                results[index] = exc
-        for (final, *_), members in groups.items():
-            states = [items[i][0] for i in members]
-            try:
-                mels = self._flow_chunks(states, [list(s.pending) for s in states], last_chunk=final)
-                if not final:
-                    for state in states:
-                        state.pending = state.pending[len(state.pending) - self.lookahead:]
+                settle([index], exc)
+        settle(flushed)
+        while plans:
+            # One batch per chunk size; every last chunk in one batch (they are padded to one size).
+            # Sorted: first chunks, then last chunks, then the rest by size, so the results that
+            # matter most for latency are ready first.
+            groups: dict[tuple[int, bool], list[int]] = {}
+            for index, (consumed, last) in ((i, plan[0]) for i, plan in plans.items()):
+                groups.setdefault((FIRST_CHUNK_TOKENS, True) if last else (consumed, False), []).append(index)
+            for (_, last), members in sorted(groups.items()):
+                states = [items[i][0] for i in members]
+                try:
+                    chunks = [plans[i][0][0] for i in members]
+                    mels = self._flow_chunks(
+                        states, [s.pending[:n if last else n + self.lookahead] for s, n in zip(states, chunks)],
+                        last_chunk=last)
+                    for state, consumed in zip(states, chunks):
+                        state.pending = state.pending[consumed:]
                         state.started = True
-                pcms = self._vocode_many(states, mels, final=final)
-                if final:
-                    for state in states:
+                    for i, pcm in zip(members, self._vocode_many(states, mels, final=last)):
+                        pieces[i].append(pcm)
+                        plans[i].pop(0)
+                    for state in states if last else ():
                         self._release(state)
-                for i, out in zip(members, self._emit_many(states, pcms)):
-                    results[i] = out
-            except Exception as exc:  # noqa: BLE001 - the whole batch failed: every member's stream is unusable
-                for i in members:
-                    results[i] = exc
+                    settle([i for i in members if not plans[i]])
+                except Exception as exc:  # noqa: BLE001 - the whole batch failed: every member's stream is unusable
+                    settle([i for i in members if i in plans], exc)
         return results  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def warm_up(self, voice: VoiceConditioning, max_rows: int = 16) -> int:
+        """Capture the CUDA graphs of every canonical chunk shape before serving; returns feed_many calls.
+
+        Why: a shape is captured on its second sighting and a capture costs about twice an eager call
+        (~0.6 s at 16 streams on an H100), so without this the first busy minutes of a server pay them
+        in its users' latency. Runs batches of 1, 2, 4 ... ``max_rows`` streams of ``voice`` through the
+        first chunk, every whole chunk size (25, 50, 75, 100 tokens) and a padded last chunk, twice.
+        The solve graphs serve every voice whose cache width (``cache_width``) equals this voice's.
+        No-op without CUDA graphs.
+        """
+        if self.graphed_solve is None:
+            return 0
+        tokens = [(7 * i) % NUM_SPEECH_TOKENS for i in range(FIRST_CHUNK_TOKENS + self.lookahead + self.max_chunk_tokens)]
+        sizes = [FIRST_CHUNK_TOKENS + self.lookahead] + list(range(self.chunk_quantum, self.max_chunk_tokens + 1,
+                                                                   self.chunk_quantum))
+        calls, rows = 0, 1
+        while rows <= max_rows:
+            for _ in range(2):
+                states = [self.start_stream(voice, seed=k) for k in range(rows)]
+                for size in sizes:
+                    self.feed_many([(state, tokens[:size], False) for state in states])
+                self.feed_many([(state, tokens[:self.chunk_quantum - 1], True) for state in states])
+                calls += len(sizes) + 1
+            rows *= 2
+        return calls
 
     def state_nbytes(self, state: StreamState) -> int:
         """Approximate bytes held by this stream alone (the shared voice is not counted)."""
@@ -381,44 +472,104 @@ class Token2WavEngine:
         return self._flow_chunks([state], [tokens], last_chunk)[0]
 
     def _flow_chunks(self, states: list[StreamState], tokens: list[list[int]], last_chunk: bool) -> list[torch.Tensor]:
-        """One flow chunk for each stream, as one batch: equal token counts and cache shapes required.
+        """One flow chunk for each stream; the estimator solve runs as one batch.
 
-        Batch layouts: the conformer caches stack streams on their batch axis; the estimator caches hold
-        the CFG halves as [cond of every stream, uncond of every stream] on axis 2, the layout the solver
-        uses. Each stream then gets its own copy of its rows (never a view of the batch, nor of a CUDA
-        graph's static output), truncated as upstream does.
+        Non-last chunks must have equal token counts; last chunks may differ (each is padded to the
+        longest, with CUDA graphs to ``last_chunk_frames``: nothing after a last chunk reads its caches,
+        so only its attention keys need masking). The conformer encoder runs once per group of streams
+        with equal token counts and cache shapes (its relative-position attention needs them equal; it
+        is the cheap part). The estimator caches are padded to one length and masked, so streams at
+        different points of the schedule, or with voices of different prompt lengths, share the solve.
+        With CUDA graphs that length is the longest a cache of these voices can get (prompt frames +
+        CACHE_RECENT_FRAMES) rounded up to CACHE_WIDTH_STEP, and the batch is padded to a power of two
+        with zero rows (their output is dropped): a few graphs serve every mix of streams.
+
+        Batch layout of the estimator caches: the CFG halves as [cond of every row, uncond of every row]
+        on axis 2, the layout the solver uses. Each stream then gets its own copy of its rows (never a
+        view of the batch, nor of a CUDA graph's static output), truncated as upstream does.
         """
         flow, batch = self.flow, len(states)
-        caches = [s.flow_cache for s in states]
-        token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        mu, conformer_cnn, conformer_att = self.encode(
-            flow.input_embedding(token_tensor), _stack([c.conformer_cnn for c in caches], 0),
-            _stack([c.conformer_att for c in caches], 1), last_chunk)
-        frames = mu.shape[2]
-        noise = torch.cat([s.flow_noise.take(frames) for s in states]).to(self.device, self.dtype)
+        if not last_chunk and len({len(t) for t in tokens}) > 1:
+            raise ValueError("non-last chunks of one batch must have equal token counts")
+        mus: list[torch.Tensor] = [torch.empty(0)] * batch
+        conformer: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.empty(0), torch.empty(0))] * batch
+        by_shape: dict[tuple, list[int]] = {}
+        for i, state in enumerate(states):
+            cache = state.flow_cache
+            key = (len(tokens[i]), tuple(cache.conformer_cnn.shape), tuple(cache.conformer_att.shape))
+            by_shape.setdefault(key, []).append(i)
+        for members in by_shape.values():
+            caches = [states[i].flow_cache for i in members]
+            token_tensor = torch.tensor([tokens[i] for i in members], dtype=torch.long, device=self.device)
+            mu, cnn, att = self.encode(
+                flow.input_embedding(token_tensor), _stack([c.conformer_cnn for c in caches], 0),
+                _stack([c.conformer_att for c in caches], 1), last_chunk)
+            # Copied out now: with CUDA graphs these are static buffers that the next encode overwrites.
+            for row, i in enumerate(members):
+                mus[i] = mu[row:row + 1].clone()
+                conformer[i] = (cnn[row:row + 1].clone(), att[:, row:row + 1].clone())
+        lengths = [int(m.shape[2]) for m in mus]
+        frames = max(lengths)
+        if last_chunk and self.graphed_solve is not None and frames <= self.last_chunk_frames:
+            frames = self.last_chunk_frames
+        noises = [s.flow_noise.take(n) for s, n in zip(states, lengths)]
+        mu = torch.cat([F.pad(m, (0, frames - m.shape[2])) for m in mus])
+        noise = torch.cat([F.pad(z, (0, frames - z.shape[2])) for z in noises]).to(self.device, self.dtype)
         spks = _stack([s.voice.projected_speaker for s in states], 0)
-        # With CUDA graphs the batch is padded to a power of two with copies of the first stream's rows
-        # (their output is dropped): a few batch sizes instead of every one keeps the graph count low.
         rows = batch if self.graphed_solve is None else 1 << (batch - 1).bit_length()
-        filler = rows - batch
-        if filler:
-            mu, noise, spks = (torch.cat([t, t[:1].expand(filler, *t.shape[1:])]) for t in (mu, noise, spks))
-        estimator_caches = caches + [caches[0]] * filler
+        if rows > batch:
+            mu, noise, spks = (torch.cat([t, t.new_zeros(rows - batch, *t.shape[1:])]) for t in (mu, noise, spks))
+        old = [s.flow_cache for s in states]
+        cnn_cache, att_cache, key_mask = self._estimator_batch(states, rows, lengths, frames)
         mel, estimator_cnn, estimator_att = self.solve(
-            mu, spks, torch.zeros_like(mu), noise, self.n_timesteps,
-            _cfg_stack([c.estimator_cnn for c in estimator_caches]),
-            _cfg_stack([c.estimator_att for c in estimator_caches]))
+            mu, spks, torch.zeros_like(mu), noise, self.n_timesteps, cnn_cache, att_cache, key_mask)
         mels = []
         for i, state in enumerate(states):
-            own = torch.tensor([i], device=self.device)
-            cfg_rows = torch.tensor([i, rows + i], device=self.device)
+            mels.append(mel[i:i + 1, :, :lengths[i]].clone())
+            if last_chunk:  # the stream ends: its caches are released, not updated
+                continue
+            own_new = torch.cat([estimator_att.narrow(2, i, 1), estimator_att.narrow(2, rows + i, 1)], dim=2)
             state.flow_cache = FlowCache(
-                conformer_cnn.index_select(0, own), conformer_att.index_select(1, own),
-                estimator_cnn.index_select(2, cfg_rows),
-                torch.cat([estimator_att.index_select(2, cfg_rows), caches[i].estimator_att], dim=4),
+                conformer[i][0], conformer[i][1],
+                torch.cat([estimator_cnn.narrow(2, i, 1), estimator_cnn.narrow(2, rows + i, 1)], dim=2),
+                torch.cat([own_new, old[i].estimator_att], dim=4),
             ).truncated(state.voice.prompt_frames, CACHE_RECENT_FRAMES)
-            mels.append(mel[i:i + 1].clone())
         return mels
+
+    def cache_width(self, prompt_frames: int) -> int:
+        """Estimator cache length every chunk of a voice is padded to with CUDA graphs."""
+        longest = prompt_frames + CACHE_RECENT_FRAMES
+        return -(-longest // CACHE_WIDTH_STEP) * CACHE_WIDTH_STEP
+
+    def _estimator_batch(self, states: list[StreamState], rows: int, chunk_lengths: list[int],
+                         frames: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The estimator caches of ``states`` as one batch of ``rows`` rows: (cnn, att, key mask).
+
+        Caches are padded with zeros to a common length; the key mask (2*rows, frames + length) marks
+        the real frames of each row's chunk and cache (None when nothing is padded and no CUDA graph
+        needs a fixed argument list).
+        """
+        caches = [s.flow_cache for s in states]
+        lengths = [int(c.estimator_att.shape[4]) for c in caches]
+        width = max(lengths)
+        if self.graphed_solve is not None:
+            width = max(width, max(self.cache_width(s.voice.prompt_frames) for s in states))
+        elif rows == 1 and chunk_lengths[0] == frames:
+            return caches[0].estimator_cnn, caches[0].estimator_att, None
+        first_att, first_cnn = caches[0].estimator_att, caches[0].estimator_cnn
+        att = first_att.new_zeros(*first_att.shape[:2], 2 * rows, first_att.shape[3], width, first_att.shape[5])
+        cnn = first_cnn.new_zeros(*first_cnn.shape[:2], 2 * rows, *first_cnn.shape[3:])
+        mask = torch.zeros(2 * rows, frames + width, dtype=torch.bool)
+        mask[:, :frames] = True   # filler rows: their own chunk only
+        for i, (cache, length, chunk) in enumerate(zip(caches, lengths, chunk_lengths)):
+            for half, row in enumerate((i, rows + i)):
+                att[:, :, row, :, :length] = cache.estimator_att[:, :, half]
+                cnn[:, :, row] = cache.estimator_cnn[:, :, half]
+                mask[row, chunk:frames] = False
+                mask[row, frames:frames + length] = True
+        if self.graphed_solve is None and bool(mask.all()):
+            return cnn, att, None
+        return cnn, att, mask.to(self.device)
 
     def _encode(self, embedded: torch.Tensor, cnn_cache: torch.Tensor, att_cache: torch.Tensor,
                 last_chunk: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -426,13 +577,9 @@ class Token2WavEngine:
         h, cnn, att = self.flow.encoder.forward_chunk(embedded, last_chunk, cnn_cache, att_cache)
         return self.flow.encoder_proj(h).transpose(1, 2).contiguous(), cnn, att
 
-    def _vocode(self, state: StreamState, chunk_mel: torch.Tensor, final: bool) -> torch.Tensor:
-        """Mel chunk -> the samples that are final now (all of them when final)."""
-        return self._vocode_many([state], [chunk_mel], final)[0]
-
     def _vocode_many(self, states: list[StreamState], chunk_mels: list[torch.Tensor], final: bool) -> list[torch.Tensor]:
-        """``_vocode`` for several streams: one batched HiFT call when their mel and excitation caches
-        have equal shapes (streams at the same point of the schedule), one call each otherwise.
+        """``_vocode`` for several streams: one batched HiFT call per group of streams whose mel and
+        excitation caches have equal shapes (streams at the same point of the schedule).
 
         Why: HiFT at batch 1 costs a few ms per stream even from a CUDA graph, so vocoding the streams
         of a batched flow call one by one made every extra stream in the batch add that much latency.
@@ -440,9 +587,19 @@ class Token2WavEngine:
         which streams it was batched with.
         """
         mels = [m if s.hift_mel is None else torch.cat([s.hift_mel, m], dim=2) for s, m in zip(states, chunk_mels)]
+        groups: dict[tuple, list[int]] = {}
+        for i, (state, mel) in enumerate(zip(states, mels)):
+            source_shape = None if state.hift_source is None else tuple(state.hift_source.shape)
+            groups.setdefault((tuple(mel.shape), source_shape), []).append(i)
+        pcms: list[torch.Tensor] = [torch.empty(0)] * len(states)
+        for members in groups.values():
+            for i, pcm in zip(members, self._vocode_batch([states[i] for i in members], [mels[i] for i in members], final)):
+                pcms[i] = pcm
+        return pcms
+
+    def _vocode_batch(self, states: list[StreamState], mels: list[torch.Tensor], final: bool) -> list[torch.Tensor]:
+        """One HiFT call for streams whose (cache + chunk) mels and excitation caches have equal shapes."""
         sources = [s.hift_source for s in states]
-        if len({tuple(m.shape) for m in mels}) > 1 or len({None if c is None else tuple(c.shape) for c in sources}) > 1:
-            return [pcm for s, m in zip(states, chunk_mels) for pcm in self._vocode_many([s], [m], final)]
         cache = None if sources[0] is None else _stack(sources, 0)
         generators = [s.hift_generator for s in states]
         speech, source = self.hift.inference(_stack(mels, 0), cache,
@@ -468,9 +625,6 @@ class Token2WavEngine:
         faded[..., :overlap] = head.to(speech.dtype)
         return faded
 
-    def _emit(self, state: StreamState, pcm: torch.Tensor) -> np.ndarray:
-        return self._emit_many([state], [pcm])[0]
-
     def _emit_many(self, states: list[StreamState], pcms: list[torch.Tensor]) -> list[np.ndarray]:
         """PCM tensors -> float32 arrays with one device-to-host copy (one sync) for the whole batch."""
         lengths = [int(p.shape[0]) for p in pcms]
@@ -489,13 +643,6 @@ class Token2WavEngine:
 
 def _stack(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
-
-
-def _cfg_stack(caches: list[torch.Tensor]) -> torch.Tensor:
-    """Per-stream estimator caches (..., 2 = cond/uncond on axis 2, ...) -> [cond..., uncond...] on axis 2."""
-    if len(caches) == 1:
-        return caches[0]
-    return torch.cat([c.narrow(2, 0, 1) for c in caches] + [c.narrow(2, 1, 1) for c in caches], dim=2)
 
 
 def hift_hyperparams_from_checkpoint(path: Union[str, Path]) -> dict[str, int]:

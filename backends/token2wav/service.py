@@ -94,7 +94,10 @@ class ServiceConfig:
     cuda_graphs: int = 1
     """1: on a CUDA device, replay the estimator solve and HiFT from CUDA graphs (0: eager)."""
     graph_mib: int = 16384
-    """GPU memory the estimator's CUDA graphs may hold (static buffers; LRU beyond it)."""
+    """GPU memory the estimator's CUDA graphs may hold (beyond it, new shapes run eagerly)."""
+    warmup_prompt_tokens: int = 0
+    """>0: at start, capture the CUDA graphs of every canonical chunk shape for voices with prompts of
+    about this many tokens (the presets: 150), at batches up to the model's max_batch_size (0: off)."""
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, str], environ: Mapping[str, str] | None = None) -> "ServiceConfig":
@@ -244,42 +247,70 @@ class Token2WavService:
             raise result
         return result
 
-    def handle_many(self, requests: Sequence[ChunkRequest]) -> list[ChunkResult | Token2WavServiceError]:
+    def handle_many(self, requests: Sequence[ChunkRequest],
+                    on_result: Callable[[int, ChunkResult | Token2WavServiceError], None] | None = None,
+                    ) -> list[ChunkResult | Token2WavServiceError]:
         """Run the requests of one Triton batch (each of a different stream): a result or error each.
 
         The chunks that need the engine go to it in one ``feed_many`` call, which synthesises chunks of
-        equal shape from several streams as one batch; this is what keeps first audio flat as the number
-        of concurrent streams grows. After any error the stream of that request is gone.
+        several streams as one batch; this is what keeps first audio flat as the number of concurrent
+        streams grows. After any error the stream of that request is gone.
+
+        ``on_result(index, result)`` is called for each request as soon as its result is known (the
+        engine finishes small chunks, first chunks above all, before long ones), so the caller can
+        answer it without waiting for the whole batch.
         """
         results: list[ChunkResult | Token2WavServiceError | None] = [None] * len(requests)
+
+        def settle(index: int, result: ChunkResult | Token2WavServiceError) -> None:
+            results[index] = result
+            if on_result is not None:
+                on_result(index, result)
+
         work: list[tuple[int, ChunkRequest, _Stream, np.ndarray]] = []
         for index, request in enumerate(requests):
             try:
                 begun = self._begin(request)
             except Token2WavServiceError as exc:
-                results[index] = self._failed(request.correlation_id, exc)
+                settle(index, self._failed(request.correlation_id, exc))
                 continue
             if isinstance(begun, ChunkResult):
-                results[index] = begun
+                settle(index, begun)
             else:
                 work.append((index, request, begun[0], begun[1]))
-        outputs = self._feed([(stream.state, tokens, request.end) for _, request, stream, tokens in work])
-        for (index, request, stream, _), output in zip(work, outputs):
+
+        def finish(position: int, output: Any) -> None:
+            index, request, stream, _ = work[position]
             cid = request.correlation_id
             if isinstance(output, Exception):  # the engine's state is unusable after a failed feed
                 log.error("sequence %d: engine failed", cid, exc_info=output)
                 error = Token2WavServiceError(f"engine failed on sequence {cid}: {output}")
                 error.__cause__ = output
-                results[index] = self._failed(cid, error)
-                continue
+                settle(index, self._failed(cid, error))
+                return
             pcm = np.ascontiguousarray(output, dtype=np.float32).reshape(-1)
             if request.end:
                 self._free(cid)
                 self.stats.ended += 1
             else:
                 self._release(cid, stream)
-            results[index] = self._result(pcm)
+            settle(index, self._result(pcm))
+
+        self._feed([(stream.state, tokens, request.end) for _, request, stream, tokens in work], finish)
         return results  # type: ignore[return-value]
+
+    def warm_up(self, max_rows: int) -> int:
+        """Run ``engine.warm_up`` (if the engine has one) with a synthetic voice of
+        ``config.warmup_prompt_tokens`` prompt tokens; returns its count of engine calls."""
+        warm_up = getattr(self.engine, "warm_up", None)
+        if warm_up is None or self.config.warmup_prompt_tokens <= 0:
+            return 0
+        rng = np.random.default_rng(0)
+        n = self.config.warmup_prompt_tokens
+        voice = self.engine.prepare_voice(rng.integers(0, MAX_SPEECH_TOKEN + 1, n),
+                                          (rng.standard_normal((2 * n, MEL_BINS)) - 5).astype(np.float32),
+                                          rng.standard_normal(SPEAKER_EMBEDDING_DIM).astype(np.float32))
+        return int(warm_up(voice, max_rows=max_rows))
 
     def cancel(self, correlation_id: int) -> bool:
         """Free a stream whose client cancelled its request (gRPC cancellation)."""
@@ -343,20 +374,30 @@ class Token2WavService:
             return self._open(request), tokens
         return self._claim(cid), tokens
 
-    def _feed(self, items: list[tuple[Any, np.ndarray, bool]]) -> list[Any]:
-        """The engine's ``feed_many`` when it has one, else ``feed`` per item (errors returned, not raised)."""
+    def _feed(self, items: list[tuple[Any, np.ndarray, bool]], finish: Callable[[int, Any], None]) -> None:
+        """Run the engine on every item, calling ``finish(position, pcm or exception)`` once per item as
+        soon as it is done: the engine's ``feed_many`` when it has one, else ``feed`` per item."""
         if not items:
-            return []
+            return
         feed_many = getattr(self.engine, "feed_many", None)
         if feed_many is not None:
-            return list(feed_many(items))
-        outputs: list[Any] = []
-        for state, tokens, final in items:
+            finished: set[int] = set()
+
+            def once(position: int, output: Any) -> None:
+                finished.add(position)
+                finish(position, output)
+
+            outputs = list(feed_many(items, on_result=once))
+            for position, output in enumerate(outputs):  # engines that return without calling back
+                if position not in finished:
+                    finish(position, output)
+            return
+        for position, (state, tokens, final) in enumerate(items):
             try:
-                outputs.append(self.engine.feed(state, tokens, final=final))
+                output = self.engine.feed(state, tokens, final=final)
             except Exception as exc:  # noqa: BLE001 - reported per request
-                outputs.append(exc)
-        return outputs
+                output = exc
+            finish(position, output)
 
     def _failed(self, cid: int, exc: Token2WavServiceError) -> Token2WavServiceError:
         if self._free(cid):

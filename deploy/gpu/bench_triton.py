@@ -36,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="token2wav,pipeline")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--tokens", default="250", help="speech tokens per request in token2wav mode")
-    parser.add_argument("--max-batch", type=int, default=8, help="Triton max_batch_size (streams per engine call)")
+    parser.add_argument("--max-batch", type=int, default=16, help="Triton max_batch_size (streams per engine call)")
     parser.add_argument("--graph-mib", type=int, default=16384,
                         help="GPU memory the estimator's CUDA graphs may hold (40 GiB ran out of memory at 64 streams on an H100)")
+    parser.add_argument("--warmup-prompt-tokens", type=int, default=150,
+                        help="token2wav captures its CUDA graphs at start for voices of this prompt length (0: off)")
     parser.add_argument("--instances", type=int, default=1,
                         help="Triton model instances on the GPU (processes: one's Python overlaps the other's GPU work)")
     parser.add_argument("--queue-delay-us", type=int, default=0,
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             server = start_gpu_triton(args.work / config, model_dir, args.dtype, max_batch_size=args.max_batch,
                                       queue_delay_us=args.queue_delay_us, instances=args.instances,
                                       extra_env={"TOKEN2WAV_CUDA_GRAPHS": "1" if config == "graphs" else "0",
-                                                 "TOKEN2WAV_GRAPH_MIB": str(args.graph_mib)})
+                                                 "TOKEN2WAV_GRAPH_MIB": str(args.graph_mib),
+                                                 "TOKEN2WAV_WARMUP_PROMPT_TOKENS": str(args.warmup_prompt_tokens)})
             try:
                 # One utterance first: a server that cannot stream at all fails here, with its log.
                 try:

@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             for mode in ("graphs", "eager") if batch <= 8 else ("graphs",):
                 print(json.dumps({"part": "batched_rounds", "mode": mode, "batch": batch,
                                   **batched_rounds(graphed, graphed_voice, tokens, batch, eager=mode == "eager")}))
+        for batch in (int(b) for b in args.batches.split(",")):
+            print(json.dumps({"part": "staggered_rounds", "batch": batch,
+                              **staggered_rounds(graphed, graphed_voice, tokens, batch)}))
         if graphed.graphed_solve is not None:
             print(json.dumps({"part": "graphs", "count": graphed.graphed_solve.num_graphs,
                               "graph_mib": round(graphed.graphed_solve.graph_bytes / 2**20),
@@ -156,6 +159,42 @@ def batched_rounds(engine: Token2WavEngine, voice, tokens: list[int], batch: int
         return {"round_ms": rounds, "first_chunk_ms": rounds[0], "steady_100_token_ms": rounds[-1]}
     finally:
         engine.solve, engine.encode, engine.hift._graphed_decode = saved
+
+
+def staggered_rounds(engine: Token2WavEngine, voice, tokens: list[int], batch: int) -> dict:
+    """``batch`` streams at different points of the schedule in every ``feed_many`` call: stream k
+    joins at round k mod 4 and runs 18, 25, 50, 100, 100, 100 tokens (the last with final=True), then
+    a new stream takes its place. This is what a server sees under steady load. Two passes (capture),
+    then one timed; returns the wall time per round (ms) once every slot is busy, and the solve's
+    graph replays vs eager runs during the timed pass."""
+    schedule = (18, 25, 50, 100, 100, 100)
+    solve = engine.graphed_solve
+    for attempt in range(3):
+        slots: list[list] = [[None, -(k % 4), 0] for k in range(batch)]   # state, call index, token offset
+        replays, eager = (solve.replays, solve.eager_runs) if solve is not None else (0, 0)
+        rounds: list[float] = []
+        for round_index in range(16):
+            items = []
+            for k, slot in enumerate(slots):
+                if slot[1] < 0:
+                    slot[1] += 1
+                    continue
+                if slot[0] is None:
+                    slot[0], slot[2] = engine.start_stream(voice, seed=attempt * 10_000 + round_index * 100 + k), 0
+                size = schedule[slot[1]]
+                items.append((slot[0], tokens[slot[2]:slot[2] + size], slot[1] == len(schedule) - 1))
+                slot[2] += size
+                slot[1] += 1
+                if slot[1] == len(schedule):
+                    slot[0], slot[1] = None, 0
+            (results, ms) = _timed(lambda: engine.feed_many(items), engine.device)
+            assert all(isinstance(r, np.ndarray) for r in results), results
+            if round_index >= 4:
+                rounds.append(round(ms, 2))
+    out = {"round_ms": rounds, "p50_ms": round(float(np.median(rounds)), 2), "max_ms": max(rounds)}
+    if solve is not None:
+        out.update(solve_replays=solve.replays - replays, solve_eager=solve.eager_runs - eager)
+    return out
 
 
 if __name__ == "__main__":

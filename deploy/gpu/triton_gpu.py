@@ -33,7 +33,7 @@ from backends.token2wav.service import parameter_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def gpu_model_repo(target: Path, *, max_live_streams: int = 128, max_batch_size: int = 8,
+def gpu_model_repo(target: Path, *, max_live_streams: int = 128, max_batch_size: int = 16,
                    max_candidates: int = 160, queue_delay_us: int = 0, instances: int = 1) -> Path:
     """A copy of model_repo_dit whose config runs one instance on GPU 0."""
     source = ROOT / "model_repo_dit"
@@ -53,7 +53,7 @@ def gpu_model_repo(target: Path, *, max_live_streams: int = 128, max_batch_size:
 
 
 def start_gpu_triton(work: Path, model_dir: Path, dtype: str, max_live_streams: int = 128,
-                     max_batch_size: int = 8, extra_env: dict[str, str] | None = None,
+                     max_batch_size: int = 16, extra_env: dict[str, str] | None = None,
                      queue_delay_us: int = 0, instances: int = 1) -> TritonServer:
     repo = gpu_model_repo(work / "model_repo", max_live_streams=max_live_streams, max_batch_size=max_batch_size,
                           queue_delay_us=queue_delay_us, instances=instances)

@@ -53,35 +53,55 @@ class TritonPythonModel:
                                       dtype=self.config.dtype, cuda_graphs=bool(self.config.cuda_graphs),
                                       graph_mib=self.config.graph_mib)
         self.service = Token2WavService(engine, self.config)
+        warmed = self.service.warm_up(max_rows=max(1, int(model_config.get("max_batch_size", 1))))
+        if warmed:
+            pb_utils.Logger.log_info(f"token2wav_dit: CUDA graphs captured in {warmed} warm-up calls")
         self.service.start_reaper()
         pb_utils.Logger.log_info(f"token2wav_dit ready: {self.config}")
 
-    def execute(self, requests: list) -> list:
+    def execute(self, requests: list) -> None:
         """Answer a batch of requests (the sequence batcher gives at most one per stream).
 
         Every request that is still wanted goes to the service in one call, so chunks of several
-        streams are synthesised together; a cancelled request frees its stream instead.
+        streams are synthesised together; a cancelled request frees its stream instead. Each request
+        is answered through its response sender as soon as its own result is ready (exactly one
+        final response each, as Triton allows for non-decoupled models since 24.07): a stream's first
+        chunk goes out without waiting for the long chunks of other streams in the same batch.
         """
-        responses: list = [None] * len(requests)
+        senders = [request.get_response_sender() for request in requests]
+        answered = [False] * len(requests)
+
+        def answer(index: int, response: "pb_utils.InferenceResponse") -> None:
+            if not answered[index]:
+                answered[index] = True
+                senders[index].send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
         decoded: list[tuple[int, int, ChunkRequest]] = []
         for index, request in enumerate(requests):
             cid = int(_input(request, "CORRID").reshape(-1)[0])
             try:
                 if request.is_cancelled():
                     self._cancelled(cid)
-                    responses[index] = _error("cancelled", f"[token2wav:cancelled] request of sequence {cid} was cancelled")
+                    answer(index, _error("cancelled", f"[token2wav:cancelled] request of sequence {cid} was cancelled"))
                     continue
                 decoded.append((index, cid, _decode(request, cid)))
             except Token2WavServiceError as exc:
                 self.service.cancel(cid)
-                responses[index] = _error(exc.kind, str(exc))
+                answer(index, _error(exc.kind, str(exc)))
+
+        def on_result(position: int, result) -> None:
+            index, cid, _ = decoded[position]
+            answer(index, self._respond(requests[index], cid, result))
+
         try:
-            results = self.service.handle_many([chunk for _, _, chunk in decoded])
+            self.service.handle_many([chunk for _, _, chunk in decoded], on_result=on_result)
         except Exception as exc:  # keep the server healthy whatever happens
-            results = [exc] * len(decoded)
-        for (index, cid, _), result in zip(decoded, results):
-            responses[index] = self._respond(requests[index], cid, result)
-        return responses
+            for index, cid, _ in decoded:
+                if not answered[index]:
+                    answer(index, self._respond(requests[index], cid, exc))
+        for index in range(len(requests)):  # every request gets exactly one response
+            answer(index, _error("internal", "[token2wav:internal] no result was produced for this request"))
+        return None
 
     def finalize(self) -> None:
         self.service.close()
