@@ -468,3 +468,23 @@ def test_warm_up_runs_every_canonical_shape_only_with_cuda_graphs(engine, voice,
     frames = {30, 50, 100, 150, 200, engine.last_chunk_frames}
     assert {(rows, f): shapes.count((rows, f)) for rows in (1, 2, 4) for f in frames} == \
         {(rows, f): 2 for rows in (1, 2, 4) for f in frames}
+
+
+def test_feed_batch_runs_first_chunks_first_and_at_most_max_batch_rows(engine, voice):
+    """An open batch: a 25-token chunk added first still waits while first chunks are queued, and
+    one step takes at most max_batch_rows streams (the oldest)."""
+    done: list[int] = []
+    started = engine.start_stream(voice, seed=1)
+    engine.feed(started, _tokens(18, 1), final=False)
+    saved = engine.max_batch_rows
+    engine.max_batch_rows = 2
+    try:
+        batch = engine.feed_batch(lambda key, result: done.append(key))
+        batch.add(0, started, _tokens(25, 2), False)
+        for key in (1, 2, 3):
+            batch.add(key, engine.start_stream(voice, seed=key + 1), _tokens(18, key + 2), False)
+        assert batch.step() and done == [1, 2]
+        assert batch.step() and done == [1, 2, 3]
+        assert not batch.step() and done == [1, 2, 3, 0]
+    finally:
+        engine.max_batch_rows = saved

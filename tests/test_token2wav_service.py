@@ -240,14 +240,27 @@ def test_voice_cache_capacity():
 
 
 class CallbackFakeEngine(CountingFakeEngine):
-    """Test double with ``feed_many`` that reports results in reverse order, as soon as each is ready."""
+    """Test double with ``feed_batch`` whose one step finishes the feeds in reverse order."""
 
-    def feed_many(self, items, on_result=None):
-        results = [self.feed(state, tokens, final) for state, tokens, final in items]
-        for index in reversed(range(len(items))):
-            if on_result is not None:
-                on_result(index, results[index])
-        return results
+    def feed_batch(self, on_result):
+        engine = self
+
+        class Batch:
+            def __init__(self):
+                self.queue = []
+                self.pending = False
+
+            def add(self, key, state, tokens, final):
+                self.queue.append((key, state, tokens, final))
+                self.pending = True
+
+            def step(self):
+                for key, state, tokens, final in reversed(self.queue):
+                    on_result(key, engine.feed(state, tokens, final))
+                self.queue, self.pending = [], False
+                return False
+
+        return Batch()
 
 
 def test_handle_many_answers_each_request_when_its_result_is_ready(clock):
@@ -285,3 +298,59 @@ def test_warm_up_uses_a_synthetic_voice_of_the_configured_length(clock):
     assert service.warm_up(max_rows=16) == 7
     assert engine.warmed == [(150, 16)]
     assert Token2WavService(CountingFakeEngine(), ServiceConfig(warmup_prompt_tokens=150), clock=clock).warm_up(4) == 0
+
+
+class SteppingFakeEngine(CountingFakeEngine):
+    """Test double with ``feed_batch``: each ``step`` finishes the oldest feed only."""
+
+    def feed_batch(self, on_result):
+        engine = self
+
+        class Batch:
+            def __init__(self):
+                self.queue = []
+
+            @property
+            def pending(self):
+                return bool(self.queue)
+
+            def add(self, key, state, tokens, final):
+                self.queue.append((key, state, tokens, final))
+
+            def step(self):
+                key, state, tokens, final = self.queue.pop(0)
+                on_result(key, engine.feed(state, tokens, final))
+                return self.pending
+
+        return Batch()
+
+
+def test_worker_answers_submitted_requests_in_stream_order(clock):
+    """submit returns at once; the worker answers every request from its thread, and a stream's
+    second and third requests wait for its first (no 'already has a request in flight' error)."""
+    import threading
+
+    service = Token2WavService(SteppingFakeEngine(), ServiceConfig(max_live_streams=8), clock=clock)
+    voice_id, voice = make_voice(0)
+    service.handle(start(1, voice_id, voice))
+    answers: dict[int, object] = {}
+    threads: set[str] = set()
+    done = threading.Event()
+
+    def on_result(index, result):
+        answers[index] = result
+        threads.add(threading.current_thread().name)
+        if len(answers) == 5:
+            done.set()
+
+    service.start_worker()
+    try:
+        service.submit([chunk(1, (1, 2)), chunk(1, (3,)), start(2, voice_id, None, tokens=(5, 6, 7)),
+                        chunk(1, (4,), end=True), chunk(9)], on_result)
+        assert done.wait(10), answers
+    finally:
+        service.close()
+    assert [answers[i].pcm.size for i in range(4)] == [2, 1, 3, 1]
+    assert isinstance(answers[4], BadRequest)
+    assert threads == {"token2wav-worker"}
+    assert service.live_sequences() == 0   # close() drops stream 2 too; stream 1 ended

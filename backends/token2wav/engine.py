@@ -29,7 +29,7 @@ same frame noise as a stream with the same seed.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -166,11 +166,12 @@ class Token2WavEngine:
     def __init__(self, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator, device: Union[str, torch.device] = "cpu",
                  dtype: Union[str, torch.dtype] = "float32", n_timesteps: int = N_TIMESTEPS, cuda_graphs: bool = False,
                  graph_mib: int = 16384, chunk_quantum: int = CHUNK_QUANTUM_TOKENS,
-                 max_chunk_tokens: int = MAX_CHUNK_TOKENS):
+                 max_chunk_tokens: int = MAX_CHUNK_TOKENS, max_batch_rows: int = 16):
         if not 1 <= chunk_quantum <= max_chunk_tokens:
             raise ValueError(f"need 1 <= chunk_quantum ({chunk_quantum}) <= max_chunk_tokens ({max_chunk_tokens})")
         self.chunk_quantum = chunk_quantum
         self.max_chunk_tokens = max_chunk_tokens
+        self.max_batch_rows = max_batch_rows   # streams per engine call at most (FeedBatch.step)
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.flow = flow.to(device=self.device, dtype=self.dtype).eval()
@@ -325,85 +326,29 @@ class Token2WavEngine:
         """``feed`` for several streams at once: their chunks run as batched flow and HiFT calls.
 
         Each item is (state, tokens, final); the result list holds, per item, its PCM or the exception
-        its feed raised (that stream is unusable afterwards, as after a failed ``feed``). Each call's
-        tokens become chunks by ``plan_chunks``; the chunks run in rounds (every stream's next chunk),
-        and within a round chunks with the same token count and final flag form one batch whatever
-        their cache lengths (the estimator's caches are padded and masked). The output of each stream
-        is what ``feed`` would give, up to floating-point rounding of the batched matrix products.
-
-        ``on_result(index, result)`` is called as soon as an item's result is known, before the rest
-        of the batch is done: within a round the smallest chunks (first chunks above all) run first,
-        so a server that answers from this callback gives first audio without waiting for other
-        streams' long chunks.
+        its feed raised (that stream is unusable afterwards, as after a failed ``feed``). The output of
+        each stream is what ``feed`` would give, up to floating-point rounding of the batched matrix
+        products. ``on_result(index, result)`` is called as soon as an item's result is known, before
+        the rest is done (see ``FeedBatch`` for the order).
         """
         results: list[Union[np.ndarray, Exception, None]] = [None] * len(items)
-        pieces: dict[int, list[torch.Tensor]] = {}
-        plans: dict[int, list[tuple[int, bool]]] = {}
 
-        def settle(indices: list[int], outcome: Optional[Exception] = None) -> None:
-            if outcome is None and indices:
-                pcms = [p[0] if len(p) == 1 else torch.cat(p) for p in (pieces[i] for i in indices)]
-                outputs: list = self._emit_many([items[i][0] for i in indices], pcms)
-            else:
-                outputs = [outcome] * len(indices)
-            for i, output in zip(indices, outputs):
-                results[i] = output
-                pieces.pop(i, None)
-                plans.pop(i, None)
-                if on_result is not None:
-                    on_result(i, output)
+        def record(index: Hashable, result: Union[np.ndarray, Exception]) -> None:
+            results[index] = result  # type: ignore[index]
+            if on_result is not None:
+                on_result(index, result)  # type: ignore[arg-type]
 
-        flushed: list[int] = []
+        batch = self.feed_batch(record)
         for index, (state, tokens, final) in enumerate(items):
-            try:
-                ids = validate_tokens(tokens)
-                if state.finished:
-                    raise RuntimeError("this stream was already finished (final=True); start a new stream")
-                state.pending.extend(ids)
-                state.tokens_fed += len(ids)
-                state.finished = bool(final)
-                if final and not state.pending:  # nothing left to synthesise: release the held-back tail
-                    tail = state.hift_speech[0] if state.hift_speech is not None else torch.zeros(0, device=self.device)
-                    pieces[index] = [tail]
-                    self._release(state)
-                    flushed.append(index)
-                    continue
-                plan = self.plan_chunks(state.started, len(state.pending), bool(final))
-                if plan:
-                    plans[index], pieces[index] = plan, []
-                else:
-                    results[index] = np.zeros(0, dtype=np.float32)
-                    if on_result is not None:
-                        on_result(index, results[index])
-            except Exception as exc:  # noqa: BLE001 - reported per stream
-                settle([index], exc)
-        settle(flushed)
-        while plans:
-            # One batch per chunk size; every last chunk in one batch (they are padded to one size).
-            # Sorted: first chunks, then last chunks, then the rest by size, so the results that
-            # matter most for latency are ready first.
-            groups: dict[tuple[int, bool], list[int]] = {}
-            for index, (consumed, last) in ((i, plan[0]) for i, plan in plans.items()):
-                groups.setdefault((FIRST_CHUNK_TOKENS, True) if last else (consumed, False), []).append(index)
-            for (_, last), members in sorted(groups.items()):
-                states = [items[i][0] for i in members]
-                try:
-                    chunks = [plans[i][0][0] for i in members]
-                    mels = self._flow_chunks(
-                        states, [s.pending[:n if last else n + self.lookahead] for s, n in zip(states, chunks)],
-                        last_chunk=last)
-                    for state, consumed in zip(states, chunks):
-                        state.pending = state.pending[consumed:]
-                        state.started = True
-                    for i, pcm in zip(members, self._vocode_many(states, mels, final=last)):
-                        pieces[i].append(pcm)
-                        plans[i].pop(0)
-                    for state in states if last else ():
-                        self._release(state)
-                    settle([i for i in members if not plans[i]])
-                except Exception as exc:  # noqa: BLE001 - the whole batch failed: every member's stream is unusable
-                    settle([i for i in members if i in plans], exc)
+            batch.add(index, state, tokens, final)
+        while batch.step():
+            pass
         return results  # type: ignore[return-value]
+
+    def feed_batch(self, on_result: Callable[[Hashable, Union[np.ndarray, Exception]], None]) -> "FeedBatch":
+        """An open batch: feeds added at any time, run one batched engine call per ``step`` (a server's
+        worker thread adds the requests that arrived between two steps)."""
+        return FeedBatch(self, on_result)
 
     @torch.inference_mode()
     def warm_up(self, voice: VoiceConditioning, max_rows: int = 16) -> int:
@@ -639,6 +584,120 @@ class Token2WavEngine:
         state.flow_cache = None
         state.pending = []
         state.hift_mel = state.hift_source = state.hift_speech = None
+
+
+class FeedBatch:
+    """Feeds of several streams in progress. ``add`` plans a feed's chunks (``plan_chunks``); each
+    ``step`` runs one batch: the next chunk of every stream whose next chunk has the chosen size (all
+    last chunks count as one size: they are padded to one). ``on_result(key, pcm or exception)`` is
+    called once per added feed, as soon as its last chunk is done.
+
+    Which batch runs next: first chunks whenever any wait (first audio is what a listener waits for,
+    and a first chunk is short), otherwise the batch of the feed that was added earliest. Streams
+    that started are thus served in arrival order, and one long chunk cannot make everyone else's
+    first audio wait for a whole round of other work.
+    """
+
+    def __init__(self, engine: Token2WavEngine,
+                 on_result: Callable[[Hashable, Union[np.ndarray, Exception]], None]) -> None:
+        self._engine = engine
+        self._on_result = on_result
+        self._states: dict[Hashable, StreamState] = {}
+        self._plans: dict[Hashable, list[tuple[int, bool]]] = {}
+        self._pieces: dict[Hashable, list[torch.Tensor]] = {}
+        self._arrival: dict[Hashable, int] = {}
+        self._added = 0
+
+    @property
+    def pending(self) -> bool:
+        """Whether chunks are waiting to run."""
+        return bool(self._plans)
+
+    @torch.inference_mode()
+    def add(self, key: Hashable, state: StreamState, tokens: TokensLike, final: bool) -> None:
+        """Plan one feed (``key`` must not be in progress); answers at once when it needs no chunk."""
+        engine = self._engine
+        if key in self._states or any(s is state for s in self._states.values()):
+            self._on_result(key, RuntimeError(f"feed {key!r}, or another feed of its stream, is already in progress"))
+            return
+        try:
+            ids = validate_tokens(tokens)
+            if state.finished:
+                raise RuntimeError("this stream was already finished (final=True); start a new stream")
+            state.pending.extend(ids)
+            state.tokens_fed += len(ids)
+            state.finished = bool(final)
+            self._states[key], self._pieces[key] = state, []
+            if final and not state.pending:  # nothing left to synthesise: release the held-back tail
+                tail = state.hift_speech[0] if state.hift_speech is not None else torch.zeros(0, device=engine.device)
+                self._pieces[key].append(tail)
+                engine._release(state)
+                self._settle([key])
+                return
+            plan = engine.plan_chunks(state.started, len(state.pending), bool(final))
+            if not plan:
+                self._states.pop(key)
+                self._pieces.pop(key)
+                self._on_result(key, np.zeros(0, dtype=np.float32))
+                return
+            self._plans[key] = plan
+            self._arrival[key] = self._added
+            self._added += 1
+        except Exception as exc:  # noqa: BLE001 - reported per feed
+            self._settle([key], exc)
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Run one batched call (see the class docstring for which); returns ``pending``."""
+        if not self._plans:
+            return False
+        engine = self._engine
+        groups: dict[tuple[int, bool], list[Hashable]] = {}
+        for key, plan in self._plans.items():
+            consumed, last = plan[0]
+            groups.setdefault((0, True) if last else (consumed, False), []).append(key)
+        firsts = [k for k in groups.get((FIRST_CHUNK_TOKENS, False), []) if not self._states[k].started]
+        if firsts:
+            members = firsts
+        else:
+            oldest = min(self._plans, key=self._arrival.__getitem__)
+            consumed, last = self._plans[oldest][0]
+            members = groups[(0, True) if last else (consumed, False)]
+        # The oldest first, at most max_batch_rows: a call's memory grows with its rows (~0.26 GB of
+        # attention cache per stream at the published size), and its graphs exist up to that size.
+        members = sorted(members, key=self._arrival.__getitem__)[:engine.max_batch_rows]
+        states = [self._states[k] for k in members]
+        last = self._plans[members[0]][0][1]
+        try:
+            chunks = [self._plans[k][0][0] for k in members]
+            mels = engine._flow_chunks(
+                states, [s.pending[:n if last else n + engine.lookahead] for s, n in zip(states, chunks)],
+                last_chunk=last)
+            for state, consumed in zip(states, chunks):
+                state.pending = state.pending[consumed:]
+                state.started = True
+            for key, pcm in zip(members, engine._vocode_many(states, mels, final=last)):
+                self._pieces[key].append(pcm)
+                self._plans[key].pop(0)
+            for state in states if last else ():
+                engine._release(state)
+            self._settle([k for k in members if not self._plans[k]])
+        except Exception as exc:  # noqa: BLE001 - the whole batch failed: every member's stream is unusable
+            self._settle([k for k in members if k in self._plans], exc)
+        return self.pending
+
+    def _settle(self, keys: list[Hashable], failure: Optional[Exception] = None) -> None:
+        if not keys:
+            return
+        if failure is None:
+            pcms = [p[0] if len(p) == 1 else torch.cat(p) for p in (self._pieces[k] for k in keys)]
+            outputs: list = self._engine._emit_many([self._states[k] for k in keys], pcms)
+        else:
+            outputs = [failure] * len(keys)
+        for key, output in zip(keys, outputs):
+            for table in (self._states, self._plans, self._pieces, self._arrival):
+                table.pop(key, None)
+            self._on_result(key, output)
 
 
 def _stack(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:

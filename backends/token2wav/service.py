@@ -14,13 +14,15 @@ Errors carry a stable tag in their message (``[token2wav:unavailable]``, ``[toke
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -229,6 +231,9 @@ class Token2WavService:
         self._lock = threading.Lock()
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._inbox: list[tuple[ChunkRequest, Reply]] = []
+        self._inbox_ready = threading.Condition()
 
     # --- public API -------------------------------------------------------------------------
 
@@ -250,54 +255,71 @@ class Token2WavService:
     def handle_many(self, requests: Sequence[ChunkRequest],
                     on_result: Callable[[int, ChunkResult | Token2WavServiceError], None] | None = None,
                     ) -> list[ChunkResult | Token2WavServiceError]:
-        """Run the requests of one Triton batch (each of a different stream): a result or error each.
+        """Run the requests of one batch (each of a different stream) to the end: a result or error each.
 
-        The chunks that need the engine go to it in one ``feed_many`` call, which synthesises chunks of
-        several streams as one batch; this is what keeps first audio flat as the number of concurrent
-        streams grows. After any error the stream of that request is gone.
-
-        ``on_result(index, result)`` is called for each request as soon as its result is known (the
-        engine finishes small chunks, first chunks above all, before long ones), so the caller can
-        answer it without waiting for the whole batch.
+        The chunks that need the engine go to one engine batch (``feed_batch``), which synthesises
+        chunks of several streams together; this is what keeps first audio flat as the number of
+        concurrent streams grows. After any error the stream of that request is gone.
+        ``on_result(index, result)`` is called for each request as soon as its result is known.
         """
         results: list[ChunkResult | Token2WavServiceError | None] = [None] * len(requests)
 
-        def settle(index: int, result: ChunkResult | Token2WavServiceError) -> None:
-            results[index] = result
-            if on_result is not None:
-                on_result(index, result)
+        def reply_to(index: int) -> Reply:
+            def reply(result: ChunkResult | Token2WavServiceError) -> None:
+                results[index] = result
+                if on_result is not None:
+                    on_result(index, result)
+            return reply
 
-        work: list[tuple[int, ChunkRequest, _Stream, np.ndarray]] = []
+        batch = _Batch(self)
         for index, request in enumerate(requests):
-            try:
-                begun = self._begin(request)
-            except Token2WavServiceError as exc:
-                settle(index, self._failed(request.correlation_id, exc))
-                continue
-            if isinstance(begun, ChunkResult):
-                settle(index, begun)
-            else:
-                work.append((index, request, begun[0], begun[1]))
-
-        def finish(position: int, output: Any) -> None:
-            index, request, stream, _ = work[position]
-            cid = request.correlation_id
-            if isinstance(output, Exception):  # the engine's state is unusable after a failed feed
-                log.error("sequence %d: engine failed", cid, exc_info=output)
-                error = Token2WavServiceError(f"engine failed on sequence {cid}: {output}")
-                error.__cause__ = output
-                settle(index, self._failed(cid, error))
-                return
-            pcm = np.ascontiguousarray(output, dtype=np.float32).reshape(-1)
-            if request.end:
-                self._free(cid)
-                self.stats.ended += 1
-            else:
-                self._release(cid, stream)
-            settle(index, self._result(pcm))
-
-        self._feed([(stream.state, tokens, request.end) for _, request, stream, tokens in work], finish)
+            batch.add(request, reply_to(index))
+        while batch.step():
+            pass
         return results  # type: ignore[return-value]
+
+    def submit(self, requests: Sequence[ChunkRequest],
+               on_result: Callable[[int, ChunkResult | Token2WavServiceError], None]) -> None:
+        """Queue requests for the worker thread (``start_worker``), which calls ``on_result(index,
+        result)`` once per request from its own thread. Returns at once.
+
+        Why: Triton hands the model new requests only between two ``execute`` calls. If ``execute``
+        ran the engine itself, a stream's first chunk arriving meanwhile would wait for every chunk of
+        that call; queued here, it joins the worker's very next engine call (first chunks go first).
+        Requests of one stream run in the order submitted, one at a time.
+        """
+        with self._inbox_ready:
+            self._inbox.extend((request, functools.partial(on_result, index)) for index, request in enumerate(requests))
+            self._inbox_ready.notify()
+
+    def start_worker(self) -> None:
+        """Start the thread that serves ``submit``ted requests (idempotent)."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="token2wav-worker", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        batch, waiting = _Batch(self), []
+        while True:
+            with self._inbox_ready:
+                while not (self._stop.is_set() or self._inbox or waiting or batch.pending):
+                    self._inbox_ready.wait(timeout=1.0)
+                if self._stop.is_set():
+                    return
+                arrived, self._inbox = waiting + self._inbox, []
+            waiting = []
+            for request, reply in arrived:
+                cid = request.correlation_id
+                if batch.busy(cid) or any(r.correlation_id == cid for r, _ in waiting):
+                    waiting.append((request, reply))  # after its stream's request in progress
+                else:
+                    batch.add(request, reply)
+            try:
+                batch.step()
+            except Exception:  # the worker must never die: fail what was in progress, go on
+                log.exception("token2wav worker: engine step failed")
+                batch.fail_all(Token2WavServiceError("engine step failed (see the server log)"))
+                batch = _Batch(self)
 
     def warm_up(self, max_rows: int) -> int:
         """Run ``engine.warm_up`` (if the engine has one) with a synthetic voice of
@@ -350,6 +372,11 @@ class Token2WavService:
 
     def close(self) -> None:
         self._stop.set()
+        with self._inbox_ready:
+            self._inbox_ready.notify_all()
+        if self._worker is not None:
+            self._worker.join(timeout=30)
+            self._worker = None
         if self._reaper is not None:
             self._reaper.join(timeout=5)
             self._reaper = None
@@ -374,30 +401,21 @@ class Token2WavService:
             return self._open(request), tokens
         return self._claim(cid), tokens
 
-    def _feed(self, items: list[tuple[Any, np.ndarray, bool]], finish: Callable[[int, Any], None]) -> None:
-        """Run the engine on every item, calling ``finish(position, pcm or exception)`` once per item as
-        soon as it is done: the engine's ``feed_many`` when it has one, else ``feed`` per item."""
-        if not items:
-            return
-        feed_many = getattr(self.engine, "feed_many", None)
-        if feed_many is not None:
-            finished: set[int] = set()
-
-            def once(position: int, output: Any) -> None:
-                finished.add(position)
-                finish(position, output)
-
-            outputs = list(feed_many(items, on_result=once))
-            for position, output in enumerate(outputs):  # engines that return without calling back
-                if position not in finished:
-                    finish(position, output)
-            return
-        for position, (state, tokens, final) in enumerate(items):
-            try:
-                output = self.engine.feed(state, tokens, final=final)
-            except Exception as exc:  # noqa: BLE001 - reported per request
-                output = exc
-            finish(position, output)
+    def _finish(self, request: ChunkRequest, stream: _Stream, output: Any) -> ChunkResult | Token2WavServiceError:
+        """The answer to a request the engine worked on; frees or releases its stream."""
+        cid = request.correlation_id
+        if isinstance(output, Exception):  # the engine's state is unusable after a failed feed
+            log.error("sequence %d: engine failed", cid, exc_info=output)
+            error = Token2WavServiceError(f"engine failed on sequence {cid}: {output}")
+            error.__cause__ = output
+            return self._failed(cid, error)
+        pcm = np.ascontiguousarray(output, dtype=np.float32).reshape(-1)
+        if request.end:
+            self._free(cid)
+            self.stats.ended += 1
+        else:
+            self._release(cid, stream)
+        return self._result(pcm)
 
     def _failed(self, cid: int, exc: Token2WavServiceError) -> Token2WavServiceError:
         if self._free(cid):
@@ -477,6 +495,75 @@ class Token2WavService:
             raise BadRequest(f"could not prepare voice {voice_id}: {exc}") from exc
         self.voices.put(voice_id, conditioning)
         return voice_id, conditioning
+
+
+Reply = Callable[[ChunkResult | Token2WavServiceError], None]
+
+
+class _SerialFeed:
+    """``feed_batch`` for engines that only have ``feed``: each feed runs when added."""
+
+    pending = False
+
+    def __init__(self, engine: Engine, on_result: Callable[[Hashable, Any], None]) -> None:
+        self._engine = engine
+        self._on_result = on_result
+
+    def add(self, key: Hashable, state: Any, tokens: np.ndarray, final: bool) -> None:
+        try:
+            output: Any = self._engine.feed(state, tokens, final=final)
+        except Exception as exc:  # noqa: BLE001 - reported per request
+            output = exc
+        self._on_result(key, output)
+
+    def step(self) -> bool:
+        return False
+
+
+class _Batch:
+    """Requests of one service in progress in one engine batch (``Token2WavEngine.feed_batch``)."""
+
+    def __init__(self, service: Token2WavService) -> None:
+        self._service = service
+        self._active: dict[int, tuple[ChunkRequest, _Stream, Reply]] = {}
+        self._keys = itertools.count()
+        feed_batch = getattr(service.engine, "feed_batch", None)
+        self._engine_batch = feed_batch(self._done) if feed_batch is not None else _SerialFeed(service.engine, self._done)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._engine_batch.pending)
+
+    def busy(self, correlation_id: int) -> bool:
+        return any(request.correlation_id == correlation_id for request, _, _ in self._active.values())
+
+    def add(self, request: ChunkRequest, reply: Reply) -> None:
+        """Admit a request: answered at once (abort, probe, error) or handed to the engine."""
+        service = self._service
+        try:
+            begun = service._begin(request)
+        except Token2WavServiceError as exc:
+            reply(service._failed(request.correlation_id, exc))
+            return
+        if isinstance(begun, ChunkResult):
+            reply(begun)
+            return
+        stream, tokens = begun
+        key = next(self._keys)
+        self._active[key] = (request, stream, reply)
+        self._engine_batch.add(key, stream.state, tokens, request.end)
+
+    def step(self) -> bool:
+        return bool(self._engine_batch.step())
+
+    def fail_all(self, error: Token2WavServiceError) -> None:
+        for request, _, reply in self._active.values():
+            reply(self._service._failed(request.correlation_id, error))
+        self._active.clear()
+
+    def _done(self, key: Hashable, output: Any) -> None:
+        request, stream, reply = self._active.pop(key)  # type: ignore[arg-type]
+        reply(self._service._finish(request, stream, output))
 
 
 def _speech_tokens(array: np.ndarray, name: str) -> np.ndarray:

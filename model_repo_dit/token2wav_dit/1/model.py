@@ -52,55 +52,49 @@ class TritonPythonModel:
         engine = Token2WavEngine.load(self.config.model_dir, device=_instance_device(self.config.device, args),
                                       dtype=self.config.dtype, cuda_graphs=bool(self.config.cuda_graphs),
                                       graph_mib=self.config.graph_mib)
+        # Streams per engine call: as many as Triton batches per execute (the worker may hold more).
+        engine.max_batch_rows = max(1, int(model_config.get("max_batch_size", 1)))
         self.service = Token2WavService(engine, self.config)
-        warmed = self.service.warm_up(max_rows=max(1, int(model_config.get("max_batch_size", 1))))
+        warmed = self.service.warm_up(max_rows=engine.max_batch_rows)
         if warmed:
             pb_utils.Logger.log_info(f"token2wav_dit: CUDA graphs captured in {warmed} warm-up calls")
         self.service.start_reaper()
+        self.service.start_worker()
         pb_utils.Logger.log_info(f"token2wav_dit ready: {self.config}")
 
     def execute(self, requests: list) -> None:
-        """Answer a batch of requests (the sequence batcher gives at most one per stream).
+        """Hand a batch of requests (the sequence batcher gives at most one per stream) to the
+        service's worker thread and return at once.
 
-        Every request that is still wanted goes to the service in one call, so chunks of several
-        streams are synthesised together; a cancelled request frees its stream instead. Each request
-        is answered through its response sender as soon as its own result is ready (exactly one
-        final response each, as Triton allows for non-decoupled models since 24.07): a stream's first
-        chunk goes out without waiting for the long chunks of other streams in the same batch.
+        Each request is answered through its response sender (exactly one final response each, as
+        Triton allows for non-decoupled models since 24.07) when its own result is ready. Returning at
+        once lets Triton pass the next requests on while the engine works: a stream's first chunk then
+        joins the worker's next engine call instead of waiting for this batch's long chunks. A
+        cancelled request frees its stream instead.
         """
         senders = [request.get_response_sender() for request in requests]
-        answered = [False] * len(requests)
-
-        def answer(index: int, response: "pb_utils.InferenceResponse") -> None:
-            if not answered[index]:
-                answered[index] = True
-                senders[index].send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
         decoded: list[tuple[int, int, ChunkRequest]] = []
         for index, request in enumerate(requests):
             cid = int(_input(request, "CORRID").reshape(-1)[0])
             try:
                 if request.is_cancelled():
                     self._cancelled(cid)
-                    answer(index, _error("cancelled", f"[token2wav:cancelled] request of sequence {cid} was cancelled"))
+                    _send(senders[index], _error("cancelled", f"[token2wav:cancelled] request of sequence {cid} was cancelled"))
                     continue
                 decoded.append((index, cid, _decode(request, cid)))
             except Token2WavServiceError as exc:
                 self.service.cancel(cid)
-                answer(index, _error(exc.kind, str(exc)))
+                _send(senders[index], _error(exc.kind, str(exc)))
 
         def on_result(position: int, result) -> None:
             index, cid, _ = decoded[position]
-            answer(index, self._respond(requests[index], cid, result))
+            try:
+                response = self._respond(requests[index], cid, result)
+            except Exception as exc:  # noqa: BLE001 - a response is owed whatever happens
+                response = _error("internal", f"[token2wav:internal] {type(exc).__name__}: {exc}")
+            _send(senders[index], response)
 
-        try:
-            self.service.handle_many([chunk for _, _, chunk in decoded], on_result=on_result)
-        except Exception as exc:  # keep the server healthy whatever happens
-            for index, cid, _ in decoded:
-                if not answered[index]:
-                    answer(index, self._respond(requests[index], cid, exc))
-        for index in range(len(requests)):  # every request gets exactly one response
-            answer(index, _error("internal", "[token2wav:internal] no result was produced for this request"))
+        self.service.submit([chunk for _, _, chunk in decoded], on_result)
         return None
 
     def finalize(self) -> None:
@@ -122,6 +116,14 @@ class TritonPythonModel:
             pb_utils.Tensor("pcm", result.pcm.reshape(1, -1)),
             pb_utils.Tensor("live_sequences", np.array([result.live_sequences], np.int32)),
         ])
+
+
+def _send(sender, response: "pb_utils.InferenceResponse") -> None:
+    """Send a request's one and final response; a client that went away is not an error here."""
+    try:
+        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception as exc:  # noqa: BLE001 - e.g. the request was cancelled meanwhile
+        pb_utils.Logger.log_warn(f"token2wav_dit: could not send a response: {exc}")
 
 
 def _instance_device(device: str, args: dict) -> str:
