@@ -239,8 +239,13 @@ def test_voice_cache_capacity():
     assert "b" not in cache and "a" in cache and "c" in cache
 
 
-class CallbackFakeEngine(CountingFakeEngine):
-    """Test double with ``feed_batch`` whose one step finishes the feeds in reverse order."""
+class BatchFakeEngine(CountingFakeEngine):
+    """Test double with ``feed_batch``: each ``step`` finishes the oldest feed (``all_reversed``:
+    every feed, newest first)."""
+
+    def __init__(self, all_reversed: bool = False) -> None:
+        super().__init__()
+        self.all_reversed = all_reversed
 
     def feed_batch(self, on_result):
         engine = self
@@ -248,17 +253,21 @@ class CallbackFakeEngine(CountingFakeEngine):
         class Batch:
             def __init__(self):
                 self.queue = []
-                self.pending = False
+
+            @property
+            def pending(self):
+                return bool(self.queue)
 
             def add(self, key, state, tokens, final):
                 self.queue.append((key, state, tokens, final))
-                self.pending = True
 
             def step(self):
-                for key, state, tokens, final in reversed(self.queue):
+                done = list(reversed(self.queue)) if engine.all_reversed else self.queue[:1]
+                for item in done:
+                    self.queue.remove(item)
+                    key, state, tokens, final = item
                     on_result(key, engine.feed(state, tokens, final))
-                self.queue, self.pending = [], False
-                return False
+                return self.pending
 
         return Batch()
 
@@ -266,7 +275,7 @@ class CallbackFakeEngine(CountingFakeEngine):
 def test_handle_many_answers_each_request_when_its_result_is_ready(clock):
     """The service passes the engine's early results on at once (mapped to request positions), and
     answers requests that need no engine work (probes, errors) before any engine work."""
-    service = Token2WavService(CallbackFakeEngine(), ServiceConfig(max_live_streams=8), clock=clock)
+    service = Token2WavService(BatchFakeEngine(all_reversed=True), ServiceConfig(max_live_streams=8), clock=clock)
     voice_id, voice = make_voice(0)
     service.handle(start(1, voice_id, voice))
     service.handle(start(2, voice_id, None))
@@ -300,37 +309,12 @@ def test_warm_up_uses_a_synthetic_voice_of_the_configured_length(clock):
     assert Token2WavService(CountingFakeEngine(), ServiceConfig(warmup_prompt_tokens=150), clock=clock).warm_up(4) == 0
 
 
-class SteppingFakeEngine(CountingFakeEngine):
-    """Test double with ``feed_batch``: each ``step`` finishes the oldest feed only."""
-
-    def feed_batch(self, on_result):
-        engine = self
-
-        class Batch:
-            def __init__(self):
-                self.queue = []
-
-            @property
-            def pending(self):
-                return bool(self.queue)
-
-            def add(self, key, state, tokens, final):
-                self.queue.append((key, state, tokens, final))
-
-            def step(self):
-                key, state, tokens, final = self.queue.pop(0)
-                on_result(key, engine.feed(state, tokens, final))
-                return self.pending
-
-        return Batch()
-
-
 def test_worker_answers_submitted_requests_in_stream_order(clock):
     """submit returns at once; the worker answers every request from its thread, and a stream's
     second and third requests wait for its first (no 'already has a request in flight' error)."""
     import threading
 
-    service = Token2WavService(SteppingFakeEngine(), ServiceConfig(max_live_streams=8), clock=clock)
+    service = Token2WavService(BatchFakeEngine(), ServiceConfig(max_live_streams=8), clock=clock)
     voice_id, voice = make_voice(0)
     service.handle(start(1, voice_id, voice))
     answers: dict[int, object] = {}
