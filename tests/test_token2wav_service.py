@@ -338,3 +338,36 @@ def test_worker_answers_submitted_requests_in_stream_order(clock):
     assert isinstance(answers[4], BadRequest)
     assert threads == {"token2wav-worker"}
     assert service.live_sequences() == 0   # close() drops stream 2 too; stream 1 ended
+
+
+def test_worker_survives_an_unexpected_failure_and_serves_the_next_request(clock, monkeypatch):
+    """A bug while admitting a request (here: a RuntimeError from inside the service) answers that
+    request with an internal error; the worker thread goes on and serves the next one."""
+    import threading
+
+    service = Token2WavService(BatchFakeEngine(), ServiceConfig(max_live_streams=8), clock=clock)
+    begin = service._begin
+
+    def flaky_begin(request):
+        if request.correlation_id == 1:
+            raise RuntimeError("a bug")
+        return begin(request)
+
+    monkeypatch.setattr(service, "_begin", flaky_begin)
+    voice_id, voice = make_voice(0)
+    answers: dict[int, object] = {}
+    done = threading.Event()
+
+    def on_result(index, result):
+        answers[index] = result
+        if len(answers) == 2:
+            done.set()
+
+    service.start_worker()
+    try:
+        service.submit([start(1, voice_id, voice), start(2, voice_id, voice, tokens=(5, 6))], on_result)
+        assert done.wait(10), answers
+    finally:
+        service.close()
+    assert isinstance(answers[0], Token2WavServiceError) and "a bug" in str(answers[0])
+    assert answers[1].pcm.size == 2

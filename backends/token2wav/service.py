@@ -545,6 +545,10 @@ class _Batch:
         except Token2WavServiceError as exc:
             reply(service._failed(request.correlation_id, exc))
             return
+        except Exception as exc:  # noqa: BLE001 - a bug here must not take the worker down
+            log.exception("sequence %d: could not admit the request", request.correlation_id)
+            reply(service._failed(request.correlation_id, Token2WavServiceError(f"could not admit the request: {exc}")))
+            return
         if isinstance(begun, ChunkResult):
             reply(begun)
             return
