@@ -217,8 +217,10 @@ class ServiceStats:
 class Token2WavService:
     """Sequence table + voice cache around one engine. One instance per Triton model instance.
 
-    ``handle`` is called from Triton's execute thread; the reaper runs in its own thread. A stream is
-    marked busy while the engine works on it so the reaper never frees state under the engine's feet.
+    Under Triton, ``submit`` is called from the execute thread and the engine runs in the worker thread
+    (``start_worker``); ``handle``/``handle_many`` run a batch in the caller's thread instead. The reaper
+    runs in its own thread. A stream is marked busy while the engine works on it so the reaper never
+    frees state under the engine's feet.
     """
 
     def __init__(self, engine: Engine, config: ServiceConfig, clock: Callable[[], float] = time.monotonic) -> None:
