@@ -74,11 +74,12 @@ class GraphedCall:
     """``fn(*args)`` replayed from a CUDA graph per shape of its tensor arguments (eager on the CPU)."""
 
     def __init__(self, fn: Callable[..., Any], max_bytes: int = 16 << 30, capture_after: int = 2,
-                 warmup_runs: int = 1) -> None:
-        if capture_after < 1:
-            raise ValueError("capture_after must be at least 1")
+                 warmup_runs: int = 1, max_graphs: int | None = None) -> None:
+        if capture_after < 1 or (max_graphs is not None and max_graphs < 1):
+            raise ValueError("capture_after and max_graphs must be at least 1")
         self._fn = fn
         self._max_bytes = max_bytes
+        self._max_graphs = max_graphs
         self._capture_after = capture_after
         self._warmup_runs = warmup_runs
         self._graphs: dict[tuple, _Captured] = {}
@@ -107,7 +108,8 @@ class GraphedCall:
                 # are measured afterwards; the free-memory headroom covers them meanwhile.)
                 estimate = _nbytes([a for i, a in enumerate(args) if isinstance(a, Tensor)
                                     and self._static_key(i, a) not in self._statics])
-                if (self._seen[key] < self._capture_after or self.graph_bytes + estimate > self._max_bytes
+                full = self._max_graphs is not None and len(self._graphs) >= self._max_graphs
+                if (self._seen[key] < self._capture_after or full or self.graph_bytes + estimate > self._max_bytes
                         or not room_to_capture(tensors[0].device, estimate)):
                     self.eager_runs += 1
                     return self._fn(*args)

@@ -452,7 +452,8 @@ class Token2WavEngine:
             # Copied out now: with CUDA graphs these are static buffers that the next encode overwrites.
             for row, i in enumerate(members):
                 mus[i] = mu[row:row + 1].clone()
-                conformer[i] = (cnn[row:row + 1].clone(), att[:, row:row + 1].clone())
+                if not last_chunk:  # a last chunk's caches are dropped with its stream
+                    conformer[i] = (cnn[row:row + 1].clone(), att[:, row:row + 1].clone())
         lengths = [int(m.shape[2]) for m in mus]
         frames = max(lengths)
         if last_chunk and self.graphed_solve is not None and frames <= self.last_chunk_frames:
@@ -464,7 +465,6 @@ class Token2WavEngine:
         rows = batch if self.graphed_solve is None else 1 << (batch - 1).bit_length()
         if rows > batch:
             mu, noise, spks = (torch.cat([t, t.new_zeros(rows - batch, *t.shape[1:])]) for t in (mu, noise, spks))
-        old = [s.flow_cache for s in states]
         cnn_cache, att_cache, key_mask = self._estimator_batch(states, rows, lengths, frames)
         mel, estimator_cnn, estimator_att = self.solve(
             mu, spks, torch.zeros_like(mu), noise, self.n_timesteps, cnn_cache, att_cache, key_mask)
@@ -473,11 +473,9 @@ class Token2WavEngine:
             mels.append(mel[i:i + 1, :, :lengths[i]].clone())
             if last_chunk:  # the stream ends: its caches are released, not updated
                 continue
-            own_new = torch.cat([estimator_att.narrow(2, i, 1), estimator_att.narrow(2, rows + i, 1)], dim=2)
             state.flow_cache = FlowCache(
-                conformer[i][0], conformer[i][1],
-                torch.cat([estimator_cnn.narrow(2, i, 1), estimator_cnn.narrow(2, rows + i, 1)], dim=2),
-                torch.cat([own_new, old[i].estimator_att], dim=4),
+                conformer[i][0], conformer[i][1], _cfg_rows(estimator_cnn, i, rows),
+                torch.cat([_cfg_rows(estimator_att, i, rows), state.flow_cache.estimator_att], dim=4),
             ).truncated(state.voice.prompt_frames, CACHE_RECENT_FRAMES)
         return mels
 
@@ -586,6 +584,21 @@ class Token2WavEngine:
         state.hift_mel = state.hift_source = state.hift_speech = None
 
 
+@dataclass
+class _Feed:
+    """One feed in a FeedBatch: its stream, the chunks still to run, the PCM of those that ran."""
+
+    state: StreamState
+    plan: list[tuple[int, bool]]
+    pieces: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def batch_key(self) -> tuple[int, bool]:
+        """Feeds whose next chunks share this key run together (last chunks are padded to one size)."""
+        consumed, last = self.plan[0]
+        return (0, True) if last else (consumed, False)
+
+
 class FeedBatch:
     """Feeds of several streams in progress. ``add`` plans a feed's chunks (``plan_chunks``); each
     ``step`` runs one batch: the next chunk of every stream whose next chunk has the chosen size (all
@@ -602,22 +615,19 @@ class FeedBatch:
                  on_result: Callable[[Hashable, Union[np.ndarray, Exception]], None]) -> None:
         self._engine = engine
         self._on_result = on_result
-        self._states: dict[Hashable, StreamState] = {}
-        self._plans: dict[Hashable, list[tuple[int, bool]]] = {}
-        self._pieces: dict[Hashable, list[torch.Tensor]] = {}
-        self._arrival: dict[Hashable, int] = {}
-        self._added = 0
+        # Feeds with chunks to run, in arrival order (dicts keep insertion order); a feed leaves when settled.
+        self._feeds: dict[Hashable, _Feed] = {}
 
     @property
     def pending(self) -> bool:
         """Whether chunks are waiting to run."""
-        return bool(self._plans)
+        return bool(self._feeds)
 
     @torch.inference_mode()
     def add(self, key: Hashable, state: StreamState, tokens: TokensLike, final: bool) -> None:
         """Plan one feed (``key`` must not be in progress); answers at once when it needs no chunk."""
         engine = self._engine
-        if key in self._states or any(s is state for s in self._states.values()):
+        if key in self._feeds or any(feed.state is state for feed in self._feeds.values()):
             self._on_result(key, RuntimeError(f"feed {key!r}, or another feed of its stream, is already in progress"))
             return
         try:
@@ -627,81 +637,80 @@ class FeedBatch:
             state.pending.extend(ids)
             state.tokens_fed += len(ids)
             state.finished = bool(final)
-            self._states[key], self._pieces[key] = state, []
             if final and not state.pending:  # nothing left to synthesise: release the held-back tail
                 tail = state.hift_speech[0] if state.hift_speech is not None else torch.zeros(0, device=engine.device)
-                self._pieces[key].append(tail)
+                self._feeds[key] = _Feed(state, [], [tail])
                 engine._release(state)
                 self._settle([key])
                 return
             plan = engine.plan_chunks(state.started, len(state.pending), bool(final))
             if not plan:
-                self._states.pop(key)
-                self._pieces.pop(key)
                 self._on_result(key, np.zeros(0, dtype=np.float32))
                 return
-            self._plans[key] = plan
-            self._arrival[key] = self._added
-            self._added += 1
+            self._feeds[key] = _Feed(state, plan)
         except Exception as exc:  # noqa: BLE001 - reported per feed
             self._settle([key], exc)
 
     @torch.inference_mode()
     def step(self) -> bool:
         """Run one batched call (see the class docstring for which); returns ``pending``."""
-        if not self._plans:
+        if not self.pending:
             return False
         engine = self._engine
-        groups: dict[tuple[int, bool], list[Hashable]] = {}
-        for key, plan in self._plans.items():
-            consumed, last = plan[0]
-            groups.setdefault((0, True) if last else (consumed, False), []).append(key)
-        firsts = [k for k in groups.get((FIRST_CHUNK_TOKENS, False), []) if not self._states[k].started]
+        firsts = [key for key, feed in self._feeds.items()
+                  if not feed.state.started and feed.batch_key == (FIRST_CHUNK_TOKENS, False)]
         if firsts:
             members = firsts
         else:
-            oldest = min(self._plans, key=self._arrival.__getitem__)
-            consumed, last = self._plans[oldest][0]
-            members = groups[(0, True) if last else (consumed, False)]
-        # The oldest first, at most max_batch_rows: a call's memory grows with its rows (~0.26 GB of
-        # attention cache per stream at the published size), and its graphs exist up to that size.
-        members = sorted(members, key=self._arrival.__getitem__)[:engine.max_batch_rows]
-        states = [self._states[k] for k in members]
-        last = self._plans[members[0]][0][1]
+            chosen = next(iter(self._feeds.values())).batch_key   # the oldest feed's
+            members = [key for key, feed in self._feeds.items() if feed.batch_key == chosen]
+        # The oldest first (arrival order), at most max_batch_rows: a call's memory grows with its rows
+        # (~0.26 GB of attention cache per stream at the published size), and its graphs exist up to that size.
+        members = members[:engine.max_batch_rows]
+        feeds = [self._feeds[key] for key in members]
+        states = [feed.state for feed in feeds]
+        last = feeds[0].plan[0][1]
         try:
-            chunks = [self._plans[k][0][0] for k in members]
+            chunks = [feed.plan[0][0] for feed in feeds]
             mels = engine._flow_chunks(
                 states, [s.pending[:n if last else n + engine.lookahead] for s, n in zip(states, chunks)],
                 last_chunk=last)
             for state, consumed in zip(states, chunks):
                 state.pending = state.pending[consumed:]
                 state.started = True
-            for key, pcm in zip(members, engine._vocode_many(states, mels, final=last)):
-                self._pieces[key].append(pcm)
-                self._plans[key].pop(0)
-            for state in states if last else ():
-                engine._release(state)
-            self._settle([k for k in members if not self._plans[k]])
+            for feed, pcm in zip(feeds, engine._vocode_many(states, mels, final=last)):
+                feed.pieces.append(pcm)
+                feed.plan.pop(0)
+            if last:
+                for state in states:
+                    engine._release(state)
+            self._settle([key for key, feed in zip(members, feeds) if not feed.plan])
         except Exception as exc:  # noqa: BLE001 - the whole batch failed: every member's stream is unusable
-            self._settle([k for k in members if k in self._plans], exc)
+            self._settle([key for key in members if key in self._feeds], exc)
         return self.pending
 
     def _settle(self, keys: list[Hashable], failure: Optional[Exception] = None) -> None:
         if not keys:
             return
         if failure is None:
-            pcms = [p[0] if len(p) == 1 else torch.cat(p) for p in (self._pieces[k] for k in keys)]
-            outputs: list = self._engine._emit_many([self._states[k] for k in keys], pcms)
+            feeds = [self._feeds[k] for k in keys]
+            pcms = [f.pieces[0] if len(f.pieces) == 1 else torch.cat(f.pieces) for f in feeds]
+            outputs: list = self._engine._emit_many([f.state for f in feeds], pcms)
         else:
             outputs = [failure] * len(keys)
         for key, output in zip(keys, outputs):
-            for table in (self._states, self._plans, self._pieces, self._arrival):
-                table.pop(key, None)
+            self._feeds.pop(key, None)
             self._on_result(key, output)
 
 
 def _stack(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
+def _cfg_rows(batch: torch.Tensor, row: int, rows: int) -> torch.Tensor:
+    """Row ``row``'s cond and uncond halves of an estimator cache batch laid out [cond..., uncond...] on
+    axis 2 (``rows`` per half), as that stream's own cache layout (2 on axis 2); a copy."""
+    return torch.cat([batch.narrow(2, row, 1), batch.narrow(2, rows + row, 1)], dim=2)
 
 
 def hift_hyperparams_from_checkpoint(path: Union[str, Path]) -> dict[str, int]:

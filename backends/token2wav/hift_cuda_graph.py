@@ -5,39 +5,22 @@ GPU work but ~20 ms of wall time, because one call launches ~85 convolutions and
 kernels (the Snake activations) from Python. Replaying a captured graph removes that CPU cost.
 
 Only `decode` is graphed: the excitation draws random numbers from a caller-owned generator (which a
-graph would freeze) and is cheap. Graphs are keyed by (mel shape, source shape, dtype); streaming uses
-a handful of chunk sizes and batches are padded to a power of two. As in ``cuda_graph.GraphedCall``, a
-shape is captured the second time it is seen (one-off shapes such as a final remainder run eagerly),
-and once ``max_shapes`` graphs exist, or their memory pools reach ``max_bytes``, new shapes run eagerly:
-graphs are never evicted. (An LRU that
-destroyed graphs, each with its private memory pool, while batched shapes churned preceded an illegal
-memory access at 64 streams on an H100.) No capture starts without free memory to spare either. A lock
-serialises replays because the static input/output buffers belong to the graph, not to the call.
-
-All graphs capture into one memory pool: a decode's activations dominate its memory (~1.5 GB at batch
-8 x 200 frames, fp16), replays never overlap, and each replay's output is cloned before the next, so
-one graph's activations may reuse another's memory.
+graph would freeze) and is cheap. The graphs are ``cuda_graph.GraphedCall``'s (keyed by the exact
+shapes; captured on a shape's second sighting; never evicted: an LRU that destroyed graphs while batched
+shapes churned preceded an illegal memory access at 64 streams on an H100; one shared memory pool, whose
+growth counts against ``max_bytes``; no capture without free memory to spare). What this adds: batches
+are padded to a power of two, so streams vocoded together in any count use a few graphs, at most
+``max_shapes`` of them, and each output is cloned, so callers may keep it.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from backends.token2wav.cuda_graph import room_to_capture
-
-
-@dataclass
-class _CapturedDecode:
-    graph: torch.cuda.CUDAGraph
-    mel: Tensor
-    source: Tensor
-    wav: Tensor
+from backends.token2wav.cuda_graph import GraphedCall
 
 
 class GraphedDecode:
@@ -48,19 +31,16 @@ class GraphedDecode:
         if max_shapes < 1 or capture_after < 1:
             raise ValueError("max_shapes and capture_after must be at least 1")
         self._decode = decode
-        self._max_shapes = max_shapes
-        self._warmup_runs = warmup_runs
-        self._capture_after = capture_after
-        self._max_bytes = max_bytes
-        self.graph_bytes = 0
-        self._pool: object = None  # shared by every capture (made on first use)
-        self._graphs: dict[tuple, _CapturedDecode] = {}
-        self._seen: Counter[tuple] = Counter()
-        self._lock = threading.Lock()
+        self._graphed = GraphedCall(decode, max_bytes=max_bytes, capture_after=capture_after,
+                                    warmup_runs=warmup_runs, max_graphs=max_shapes)
 
     @property
     def num_graphs(self) -> int:
-        return len(self._graphs)
+        return self._graphed.num_graphs
+
+    @property
+    def graph_bytes(self) -> int:
+        return self._graphed.graph_bytes
 
     def __call__(self, mel: Tensor, source: Tensor) -> Tensor:
         if not mel.is_cuda:
@@ -72,41 +52,4 @@ class GraphedDecode:
             # vocoded together come in every count, graphs only in a few (rows are independent in decode).
             mel = torch.cat([mel, mel[:1].expand(rows - batch, *mel.shape[1:])])
             source = torch.cat([source, source[:1].expand(rows - batch, *source.shape[1:])])
-            return self(mel, source)[:batch]
-        key = (tuple(mel.shape), tuple(source.shape), mel.dtype, source.dtype, mel.device)
-        with self._lock:
-            captured = self._graphs.get(key)
-            if captured is None:
-                self._seen[key] += 1
-                if (self._seen[key] < self._capture_after or len(self._graphs) >= self._max_shapes
-                        or self.graph_bytes >= self._max_bytes or not room_to_capture(mel.device)):
-                    return self._decode(mel, source)
-                captured = self._capture(mel, source)
-                self._graphs[key] = captured
-            captured.mel.copy_(mel)
-            captured.source.copy_(source)
-            captured.graph.replay()
-            return captured.wav.clone()
-
-    def _capture(self, mel: Tensor, source: Tensor) -> _CapturedDecode:
-        # Count what the capture reserved (activations beyond what the shared pool already had) against max_bytes.
-        reserved_before = torch.cuda.memory_reserved(mel.device)
-        captured = self._capture_graph(mel, source)
-        self.graph_bytes += max(0, torch.cuda.memory_reserved(mel.device) - reserved_before)
-        return captured
-
-    def _capture_graph(self, mel: Tensor, source: Tensor) -> _CapturedDecode:
-        static_mel, static_source = mel.clone(), source.clone()
-        # Warm up on a side stream (cuDNN algorithm choice, lazy inits) before capturing, as torch advises.
-        side = torch.cuda.Stream(device=mel.device)
-        side.wait_stream(torch.cuda.current_stream(mel.device))
-        with torch.cuda.stream(side):
-            for _ in range(self._warmup_runs):
-                self._decode(static_mel, static_source)
-        torch.cuda.current_stream(mel.device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static_wav = self._decode(static_mel, static_source)
-        return _CapturedDecode(graph, static_mel, static_source, static_wav)
+        return self._graphed(mel, source)[:batch].clone()

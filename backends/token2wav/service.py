@@ -329,11 +329,10 @@ class Token2WavService:
         warm_up = getattr(self.engine, "warm_up", None)
         if warm_up is None or self.config.warmup_prompt_tokens <= 0:
             return 0
-        rng = np.random.default_rng(0)
-        n = self.config.warmup_prompt_tokens
-        voice = self.engine.prepare_voice(rng.integers(0, MAX_SPEECH_TOKEN + 1, n),
-                                          (rng.standard_normal((2 * n, MEL_BINS)) - 5).astype(np.float32),
-                                          rng.standard_normal(SPEAKER_EMBEDDING_DIM).astype(np.float32))
+        from backends.token2wav.__main__ import random_voice  # the CLI's random conditioning (numpy only)
+
+        arrays = random_voice(seed=0, n_tokens=self.config.warmup_prompt_tokens)
+        voice = self.engine.prepare_voice(arrays["prompt_tokens"], arrays["prompt_mel"], arrays["speaker_embedding"])
         return int(warm_up(voice, max_rows=max_rows))
 
     def cancel(self, correlation_id: int) -> bool:
