@@ -32,10 +32,17 @@ def reference(single_thread):
     return torch.load(FIXTURE, weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def flow(reference):
+@pytest.fixture(scope="module", params=["as_loaded", "frozen"])
+def flow(reference, request):
+    """The flow as loaded, and after ``decoder.freeze`` (precomputed step modulations and stacked q/k
+    weights: the engine's path). Both must match the reference."""
     model = build_flow_from_yaml(flow_yaml_text(**reference["flow_yaml_kwargs"])).eval()
     model.load_state_dict(reference["state_dict"], strict=True)
+    if request.param == "frozen":
+        model.decoder.freeze(reference["n_timesteps"])
+        assert model.decoder.estimator.blocks[0].attn.qk_weight is not None
+        # what freeze derives is not part of the checkpoint layout
+        assert set(model.state_dict()) == set(reference["state_dict"])
     return model
 
 

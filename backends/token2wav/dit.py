@@ -12,6 +12,7 @@ exactly as the reference does, which matters for how caches get truncated later.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,8 +20,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale) + shift
+MODULATION_ROWS = 9
+"""adaLN outputs per block, in the checkpoint's order: shift, scale, gate for attention, MLP and conv."""
+SHIFT_MSA, SCALE_MSA, GATE_MSA, SHIFT_MLP, SCALE_MLP, GATE_MLP, SHIFT_CONV, SCALE_CONV, GATE_CONV = range(9)
+
+
+def modulated_norm(x: torch.Tensor, scale_plus_one: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+    """``LayerNorm(x) * (1 + scale) + shift`` (the DiT's adaLN) as one layer_norm kernel.
+
+    Why: the modulation depends only on the timestep, which every row of a solve shares, so it can be
+    the norm's own affine weight and bias; three kernels become one.
+    """
+    return F.layer_norm(x, (x.shape[-1],), scale_plus_one, shift, eps)
 
 
 class MLP(nn.Module):
@@ -31,11 +42,19 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(hidden_features, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        # fc1 and its tanh-GELU in one GEMM (cuBLASLt's GELU epilogue on a GPU; addmm + gelu elsewhere).
+        rows = x.reshape(-1, x.shape[-1])
+        hidden = torch._addmm_activation(self.fc1.bias, rows, self.fc1.weight.t(), use_gelu=True)
+        return self.fc2(hidden).reshape(*x.shape[:-1], -1)
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with LayerNorm on q and k (per head)."""
+    """Multi-head self-attention with LayerNorm on q and k (per head).
+
+    After ``fuse_projections`` (done by ``CausalConditionalCFM.freeze``), q and k come from one GEMM
+    with the concatenated weights; either way both are normalised by one kernel and given their own
+    affine by a second.
+    """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int):
         super().__init__()
@@ -48,15 +67,34 @@ class Attention(nn.Module):
         self.q_norm = nn.LayerNorm(head_dim)
         self.k_norm = nn.LayerNorm(head_dim)
         self.proj = nn.Linear(inner, dim)
+        # Derived from the parameters by fuse_projections (not saved: the checkpoint has no such keys).
+        for name in ("qk_weight", "qk_bias", "qk_norm_weight", "qk_norm_bias"):
+            self.register_buffer(name, None, persistent=False)
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        return x.reshape(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q/k projection weight and bias, concatenated; q/k norm weight and bias, (2, 1, head_dim)."""
+        return (torch.cat([self.to_q.weight, self.to_k.weight]), torch.cat([self.to_q.bias, self.to_k.bias]),
+                torch.stack([self.q_norm.weight, self.k_norm.weight]).unsqueeze(1),
+                torch.stack([self.q_norm.bias, self.k_norm.bias]).unsqueeze(1))
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Keep the stacked q/k weights (``_stacked``) instead of stacking them per call. Call again if
+        the weights change."""
+        self.qk_weight, self.qk_bias, self.qk_norm_weight, self.qk_norm_bias = (
+            t.detach().clone() for t in self._stacked())
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q = self.q_norm(self._heads(self.to_q(x)))
-        k = self.k_norm(self._heads(self.to_k(x)))
-        return q, k, self._heads(self.to_v(x))
+        """x (b, t, c) -> q, k, v (b, heads, t, head_dim), as strided views (last dim contiguous)."""
+        b, t, _ = x.shape
+        fused = self.qk_weight is not None
+        qk_weight, qk_bias, norm_weight, norm_bias = (
+            (self.qk_weight, self.qk_bias, self.qk_norm_weight, self.qk_norm_bias) if fused else self._stacked())
+        qk = F.linear(x, qk_weight, qk_bias).view(b, t, 2, self.num_heads, self.head_dim)
+        # q_norm and k_norm share eps (LayerNorm's default); their affines differ, hence addcmul.
+        qk = torch.addcmul(norm_bias, F.layer_norm(qk, (self.head_dim,), eps=self.q_norm.eps), norm_weight)
+        v = self.to_v(x).view(b, t, self.num_heads, self.head_dim)
+        return qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2), v.transpose(1, 2)
 
     def _out(self, attended: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = attended.shape
@@ -81,10 +119,9 @@ class Attention(nn.Module):
         """
         q, k, v = self._qkv(x)
         new_kv = torch.cat([k, v], dim=3)
-        if att_cache is not None:
-            k_cache, v_cache = att_cache.chunk(2, dim=3)
-            k = torch.cat([k, k_cache], dim=2)
-            v = torch.cat([v, v_cache], dim=2)
+        # Keys and values stay interleaved as in the cache: one copy, then views of it.
+        kv = new_kv if att_cache is None else torch.cat([new_kv, att_cache], dim=2)
+        k, v = kv[..., :self.head_dim], kv[..., self.head_dim:]
         return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)), new_kv
 
 
@@ -115,82 +152,67 @@ class TimestepEmbedder(nn.Module):
         return self.mlp(self.sinusoid(t * self.scale, self.frequency_embedding_size))
 
 
-class Transpose(nn.Module):
-    def __init__(self, dim0: int, dim1: int):
-        super().__init__()
-        self.dim0, self.dim1 = dim0, dim1
+def causal_conv_time_major(x: torch.Tensor, conv: nn.Conv1d, cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal conv1d (stride 1) on time-major input, as one GEMM over the k shifted frames.
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.transpose(self.dim0, self.dim1)
-
-
-def conv1d_as_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """Unpadded conv1d (stride 1) as one matrix product over the k shifted views of x.
-
-    x (b, c_in, t + k - 1), weight (c_out, c_in, k) -> (b, c_out, t), the same function as F.conv1d.
+    x (b, t, c_in); cache (b, k-1, c_in), the previous inputs' tail (None: zeros, i.e. left padding).
+    Returns (b, t, c_out) and the new tail (b, k-1, c_in). Same function as F.conv1d on the padded
+    input, with conv's weight (c_out, c_in, k) and bias.
     Why: on a GPU cuDNN plans every conv1d call on the CPU (~0.5 ms measured on an H100 host), and a
-    streaming chunk runs 10 steps x 16 blocks x 2 convs; an unfold + GEMM costs two launches.
+    streaming chunk runs 10 steps x 16 blocks x 2 convs; staying time-major also spares the
+    transposes a channel-major conv needs between the block's layer_norms.
     """
-    k = weight.shape[2]
-    windows = x.unfold(2, k, 1)                       # (b, c_in, t, k), a view
-    cols = windows.permute(0, 2, 1, 3).reshape(x.shape[0], windows.shape[2], -1)   # (b, t, c_in*k)
-    return F.linear(cols, weight.reshape(weight.shape[0], -1), bias).transpose(1, 2)
-
-
-class CausalConv1d(nn.Conv1d):
-    """Conv1d that only looks back (left zero padding or a cache of the last kernel-1 inputs)."""
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int):
-        super().__init__(in_channels, out_channels, kernel_size)
-        self.context = kernel_size - 1
-
-    def _conv(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return conv1d_as_matmul(x, self.weight, self.bias)
-        return super().forward(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._conv(F.pad(x, (self.context, 0)))
-
-    def forward_chunk(self, x: torch.Tensor, cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if cache is None:
-            cache = x.new_zeros(x.shape[0], self.in_channels, self.context)
-        x = torch.cat([cache, x], dim=2)
-        return self._conv(x), x[..., -self.context :]
+    k = conv.kernel_size[0]
+    if cache is None:
+        cache = x.new_zeros(x.shape[0], k - 1, x.shape[2])
+    padded = torch.cat([cache, x], dim=1)                         # (b, t + k - 1, c_in)
+    windows = padded.unfold(1, k, 1)                              # (b, t, c_in, k), a view
+    cols = windows.reshape(x.shape[0], x.shape[1], -1)           # (b, t, c_in*k): matches weight's (c_in, k)
+    return F.linear(cols, conv.weight.reshape(conv.out_channels, -1), conv.bias), padded[:, -(k - 1):]
 
 
 class CausalConvBlock(nn.Module):
-    """conv -> LayerNorm -> Mish -> conv, on (b, t, c). Sequential indices mirror the checkpoint
-    (block.1 and block.6 are the convs, block.3 the LayerNorm)."""
+    """conv -> LayerNorm -> Mish -> conv, on (b, t, c); both convs causal (kernel 3, left context 2).
+
+    The Sequential only mirrors the checkpoint's parameter names (block.1 and block.6 are the convs,
+    block.3 the LayerNorm); the computation is ``forward_chunk``.
+    """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3):
         super().__init__()
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.block = nn.Sequential(
-            Transpose(1, 2),
-            CausalConv1d(in_channels, out_channels, kernel_size),
-            Transpose(1, 2),
+            nn.Identity(),
+            nn.Conv1d(in_channels, out_channels, kernel_size),
+            nn.Identity(),
             nn.LayerNorm(out_channels),
             nn.Mish(),
-            Transpose(1, 2),
-            CausalConv1d(out_channels, out_channels, kernel_size),
-            Transpose(1, 2),
+            nn.Identity(),
+            nn.Conv1d(out_channels, out_channels, kernel_size),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x)
+        return self.forward_chunk(x, None)[0]
 
     def forward_chunk(self, x: torch.Tensor, cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """cache (b, in+out, kernel-1): the two convs' input tails, concatenated on channels."""
-        cache1, cache2 = cache.split((self.in_channels, self.out_channels), dim=1) if cache is not None else (None, None)
-        h, new1 = self.block[1].forward_chunk(x.transpose(1, 2), cache1)
-        h = self.block[4](self.block[3](h.transpose(1, 2)))
-        h, new2 = self.block[6].forward_chunk(h.transpose(1, 2), cache2)
-        return h.transpose(1, 2), torch.cat([new1, new2], dim=1)
+        tail1 = tail2 = None
+        if cache is not None:
+            tail1, tail2 = cache.transpose(1, 2).split((self.in_channels, self.out_channels), dim=2)
+        h, new1 = causal_conv_time_major(x, self.block[1], tail1)
+        h = self.block[4](self.block[3](h))
+        h, new2 = causal_conv_time_major(h, self.block[6], tail2)
+        return h, torch.cat([new1, new2], dim=2).transpose(1, 2)
 
 
 class DiTBlock(nn.Module):
+    """Attention, causal conv block and MLP, each adaLN-modulated and gated by the timestep.
+
+    The modulation (``adaLN_modulation(c)``) is computed once per timestep for all blocks by
+    ``DiT.modulation`` and passed in as ``mod`` (9, hidden): see ``MODULATION_ROWS``.
+    """
+
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, mlp_ratio: float = 4.0):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
@@ -199,26 +221,26 @@ class DiTBlock(nn.Module):
         self.mlp = MLP(hidden_size, int(hidden_size * mlp_ratio))
         self.norm3 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.conv = CausalConvBlock(hidden_size, hidden_size, kernel_size=3)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 9 * hidden_size))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, MODULATION_ROWS * hidden_size))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
-        (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
-         shift_conv, scale_conv, gate_conv) = self.adaLN_modulation(c).chunk(9, dim=-1)
-        x = x + gate_msa * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), attn_mask)
-        x = x + gate_conv * self.conv(modulate(self.norm3(x), shift_conv, scale_conv))
-        return x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+    def forward(self, x: torch.Tensor, mod: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        x = torch.addcmul(x, mod[GATE_MSA], self.attn(
+            modulated_norm(x, mod[SCALE_MSA], mod[SHIFT_MSA], self.norm1.eps), attn_mask))
+        x = torch.addcmul(x, mod[GATE_CONV], self.conv(
+            modulated_norm(x, mod[SCALE_CONV], mod[SHIFT_CONV], self.norm3.eps)))
+        return torch.addcmul(x, mod[GATE_MLP], self.mlp(modulated_norm(x, mod[SCALE_MLP], mod[SHIFT_MLP], self.norm2.eps)))
 
     def forward_chunk(
-        self, x: torch.Tensor, c: torch.Tensor, cnn_cache: Optional[torch.Tensor], att_cache: Optional[torch.Tensor],
+        self, x: torch.Tensor, mod: torch.Tensor, cnn_cache: Optional[torch.Tensor], att_cache: Optional[torch.Tensor],
         key_mask: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
-         shift_conv, scale_conv, gate_conv) = self.adaLN_modulation(c).chunk(9, dim=-1)
-        attended, new_att = self.attn.forward_chunk(modulate(self.norm1(x), shift_msa, scale_msa), att_cache, key_mask)
-        x = x + gate_msa * attended
-        convolved, new_cnn = self.conv.forward_chunk(modulate(self.norm3(x), shift_conv, scale_conv), cnn_cache)
-        x = x + gate_conv * convolved
-        x = x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+        attended, new_att = self.attn.forward_chunk(
+            modulated_norm(x, mod[SCALE_MSA], mod[SHIFT_MSA], self.norm1.eps), att_cache, key_mask)
+        x = torch.addcmul(x, mod[GATE_MSA], attended)
+        convolved, new_cnn = self.conv.forward_chunk(
+            modulated_norm(x, mod[SCALE_CONV], mod[SHIFT_CONV], self.norm3.eps), cnn_cache)
+        x = torch.addcmul(x, mod[GATE_CONV], convolved)
+        x = torch.addcmul(x, mod[GATE_MLP], self.mlp(modulated_norm(x, mod[SCALE_MLP], mod[SHIFT_MLP], self.norm2.eps)))
         return x, new_cnn, new_att
 
 
@@ -229,9 +251,30 @@ class FinalLayer(nn.Module):
         self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.linear = nn.Linear(hidden_size, out_channels)
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
-        return self.linear(modulate(self.norm_final(x), shift, scale))
+    def forward(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
+        """mod (2, hidden): [shift, 1 + scale] (``DiT.modulation``)."""
+        return self.linear(modulated_norm(x, mod[1], mod[0], self.norm_final.eps))
+
+
+def key_bias_for(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool key mask (b, t_keys) as the additive attention bias (b, 1, 1, t_keys): 0 or -inf.
+
+    Made once per solve: a bool mask would be converted again in every block of every step.
+    """
+    bias = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device).masked_fill(~key_mask, float("-inf"))
+    return bias[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class StepModulation:
+    """The adaLN outputs of one timestep: every row of a solve shares them (one t per Euler step).
+
+    blocks (depth, 9, hidden) in the checkpoint's order (``MODULATION_ROWS``), final (2, hidden); the
+    scale rows already hold 1 + scale.
+    """
+
+    blocks: torch.Tensor
+    final: torch.Tensor
 
 
 class DiT(nn.Module):
@@ -256,29 +299,39 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, head_dim, mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, out_channels)
 
-    def _inputs(self, x, mu, t, spks, cond) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stack [x, mu, spks, cond] on channels -> (b, t, hidden); timestep embedding (b, 1, hidden)."""
-        c = self.t_embedder(t).unsqueeze(1)
+    def modulation(self, t: torch.Tensor) -> StepModulation:
+        """The adaLN outputs of every block for timestep ``t`` (a 1-element tensor)."""
+        c = F.silu(self.t_embedder(t.reshape(1)))                          # (1, hidden); each adaLN starts with SiLU
+        blocks = torch.stack([block.adaLN_modulation[1](c) for block in self.blocks])
+        blocks = blocks.view(len(self.blocks), MODULATION_ROWS, self.hidden_size)
+        blocks[:, [SCALE_MSA, SCALE_MLP, SCALE_CONV]] += 1
+        final = self.final_layer.adaLN_modulation[1](c).view(2, self.hidden_size)
+        final[1] += 1
+        return StepModulation(blocks, final)
+
+    def _inputs(self, x, mu, spks, cond) -> torch.Tensor:
+        """Stack [x, mu, spks, cond] on channels -> (b, t, hidden)."""
         parts = [x, mu]
         if spks is not None:
             parts.append(spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         if cond is not None:
             parts.append(cond)
-        return self.in_proj(torch.cat(parts, dim=1).transpose(1, 2)), c
+        return self.in_proj(torch.cat(parts, dim=1).transpose(1, 2))
 
-    def forward(self, x, mask, mu, t, spks=None, cond=None) -> torch.Tensor:
-        """Whole sequence. x, mu, cond (b, c, t); mask (b, 1, t); t (b,); spks (b, c). Returns (b, out, t)."""
-        h, c = self._inputs(x, mu, t, spks, cond)
+    def forward(self, x, mask, mu, mod: StepModulation, spks=None, cond=None) -> torch.Tensor:
+        """Whole sequence. x, mu, cond (b, c, t); mask (b, 1, t); mod: ``modulation(t)``; spks (b, c).
+        Returns (b, out, t)."""
+        h = self._inputs(x, mu, spks, cond)
         attn_mask = mask.bool()
-        for block in self.blocks:
-            h = block(h, c, attn_mask)
-        return self.final_layer(h, c).transpose(1, 2)
+        for block, block_mod in zip(self.blocks, mod.blocks):
+            h = block(h, block_mod, attn_mask)
+        return self.final_layer(h, mod.final).transpose(1, 2)
 
     def forward_chunk(
         self,
         x: torch.Tensor,
         mu: torch.Tensor,
-        t: torch.Tensor,
+        mod: StepModulation,
         spks: Optional[torch.Tensor],
         cond: Optional[torch.Tensor],
         cnn_cache: Optional[torch.Tensor] = None,
@@ -286,25 +339,23 @@ class DiT(nn.Module):
         key_mask: Optional[torch.Tensor] = None,
         new_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One chunk. cnn_cache (depth, b, 2*hidden, 2); att_cache (depth, b, heads, t_cache, 2*head_dim).
+        """One chunk. mod: ``modulation(t)``; cnn_cache (depth, b, 2*hidden, 2); att_cache (depth, b,
+        heads, t_cache, 2*head_dim).
 
         ``key_mask`` (b, t + t_cache) bool: which frames of [this chunk, the cache] are real keys (False:
-        padding, ignored); lets streams with different chunk and cache lengths share a batch.
+        padding, ignored); lets streams with different chunk and cache lengths share a batch. Or, made
+        once per solve, its ``key_bias_for``.
         ``new_only``: return only this chunk's frames of the attention cache (the caller prepends them
         to its old cache); a CUDA graph then keeps a static output of the chunk's size, not the cache's.
 
         Returns the output (b, out, t) and freshly allocated caches (never views of shared buffers).
         """
-        h, c = self._inputs(x, mu, t, spks, cond)
-        key_bias = None
-        if key_mask is not None:
-            # As an additive bias, made once: a bool mask would be converted in each of the blocks.
-            key_bias = torch.zeros(key_mask.shape, dtype=h.dtype, device=h.device).masked_fill(~key_mask, float("-inf"))
-            key_bias = key_bias[:, None, None, :]
+        h = self._inputs(x, mu, spks, cond)
+        key_bias = key_bias_for(key_mask, h.dtype) if key_mask is not None and key_mask.dtype == torch.bool else key_mask
         new_cnn, new_att = [], []
         for i, block in enumerate(self.blocks):
             h, block_cnn, block_att = block.forward_chunk(
-                h, c,
+                h, mod.blocks[i],
                 cnn_cache[i] if cnn_cache is not None else None,
                 att_cache[i] if att_cache is not None else None,
                 key_bias,
@@ -313,4 +364,9 @@ class DiT(nn.Module):
             if att_cache is not None and not new_only:
                 block_att = torch.cat([block_att, att_cache[i]], dim=2)
             new_att.append(block_att)
-        return self.final_layer(h, c).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_att)
+        return self.final_layer(h, mod.final).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_att)
+
+    def fuse_projections(self) -> None:
+        """Precompute the stacked q/k weights of every block (``Attention.fuse_projections``)."""
+        for block in self.blocks:
+            block.attn.fuse_projections()

@@ -179,6 +179,8 @@ class Token2WavEngine:
         # set_compute_dtype casts only the rest.
         self.hift = hift.to(device=self.device).set_compute_dtype(self.dtype).eval()
         self.n_timesteps = n_timesteps
+        # Per-step timestep modulations and stacked q/k weights, computed once instead of in every solve.
+        self.flow.decoder.freeze(n_timesteps)
         self.mel_channels = self.flow.output_size
         self.lookahead = self.flow.pre_lookahead_len
         # Every last chunk plan_chunks makes fits this (a remainder under the quantum, plus the lookahead).

@@ -16,13 +16,26 @@ from typing import Optional
 import torch
 from torch import nn
 
-from backends.token2wav.dit import DiT
+from backends.token2wav.dit import DiT, StepModulation, key_bias_for
 
 
 def cosine_t_span(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """t_i = 1 - cos(pi/2 * i/n): small steps near the noise end."""
     t_span = torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
     return 1 - torch.cos(t_span * 0.5 * torch.pi)
+
+
+def euler_steps(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(t, dt) of each Euler step, accumulated as the reference does (t += dt, in the model's dtype)."""
+    t_span = cosine_t_span(n_timesteps, device, dtype)
+    t, dt = t_span[0].unsqueeze(0), t_span[1] - t_span[0]
+    steps = []
+    for step in range(1, len(t_span)):
+        steps.append((t, dt))
+        t = t + dt
+        if step < len(t_span) - 1:
+            dt = t_span[step + 1] - t
+    return steps
 
 
 class CausalConditionalCFM(nn.Module):
@@ -33,6 +46,29 @@ class CausalConditionalCFM(nn.Module):
         self.estimator = estimator
         self.inference_cfg_rate = inference_cfg_rate
         self.out_channels = estimator.out_channels
+        # Set by freeze(): (n_timesteps, device, dtype) -> per-step (modulation, dt).
+        self._frozen: dict[tuple, list[tuple[StepModulation, torch.Tensor]]] = {}
+
+    @torch.inference_mode()
+    def freeze(self, n_timesteps: int) -> None:
+        """Precompute what depends only on the weights and the step count, for the solves to come.
+
+        Each step's timestep modulation (``DiT.modulation``: the timestep MLP and 17 adaLN layers) and
+        the stacked q/k projections. Why: they are the same for every chunk, and computing them in each
+        solve costs ~40 kernel launches per Euler step. Call after moving the module to its device and
+        dtype and after loading weights, and again if either changes.
+        """
+        device, dtype = self.estimator.in_proj.weight.device, self.estimator.in_proj.weight.dtype
+        self.estimator.fuse_projections()
+        self._frozen = {(n_timesteps, device, dtype): self._compute_steps(n_timesteps, device, dtype)}
+
+    def _compute_steps(self, n_timesteps: int, device: torch.device,
+                       dtype: torch.dtype) -> list[tuple[StepModulation, torch.Tensor]]:
+        return [(self.estimator.modulation(t), dt) for t, dt in euler_steps(n_timesteps, device, dtype)]
+
+    def _steps(self, n_timesteps: int, device: torch.device, dtype: torch.dtype) -> list[tuple[StepModulation, torch.Tensor]]:
+        frozen = self._frozen.get((n_timesteps, device, dtype))
+        return frozen if frozen is not None else self._compute_steps(n_timesteps, device, dtype)
 
     def _guided(self, velocity: torch.Tensor) -> torch.Tensor:
         cond_v, uncond_v = velocity.chunk(2, dim=0)
@@ -49,20 +85,14 @@ class CausalConditionalCFM(nn.Module):
         n_timesteps: int = 10,
     ) -> torch.Tensor:
         """Whole utterance. mu, cond, z (b, 80, t); mask (b, 1, t); spks (b, 80). Returns mel (b, 80, t)."""
-        t_span = cosine_t_span(n_timesteps, mu.device, mu.dtype)
         x = z.to(mu.dtype)
-        t = t_span[0].unsqueeze(0)
-        dt = t_span[1] - t_span[0]
         mask_in = torch.cat([mask, mask], dim=0)
         mu_in = torch.cat([mu, torch.zeros_like(mu)], dim=0)
         spks_in = torch.cat([spks, torch.zeros_like(spks)], dim=0)
         cond_in = torch.cat([cond, torch.zeros_like(cond)], dim=0)
-        for step in range(1, len(t_span)):
-            velocity = self.estimator(torch.cat([x, x], dim=0), mask_in, mu_in, torch.cat([t, t], dim=0), spks_in, cond_in)
+        for mod, dt in self._steps(n_timesteps, mu.device, mu.dtype):
+            velocity = self.estimator(torch.cat([x, x], dim=0), mask_in, mu_in, mod, spks_in, cond_in)
             x = x + dt * self._guided(velocity)
-            t = t + dt
-            if step < len(t_span) - 1:
-                dt = t_span[step + 1] - t
         return x
 
     @torch.inference_mode()
@@ -83,25 +113,20 @@ class CausalConditionalCFM(nn.Module):
         ``key_mask`` (2b, t + t_cache) bool: the real frames of a padded chunk and cache (DiT.forward_chunk).
         ``new_only``: the attention caches returned hold only this chunk's frames (see DiT.forward_chunk).
         """
-        t_span = cosine_t_span(n_timesteps, mu.device, mu.dtype)
         x = z.to(mu.dtype)
-        t = t_span[0].unsqueeze(0)
-        dt = t_span[1] - t_span[0]
         mu_in = torch.cat([mu, torch.zeros_like(mu)], dim=0)
         spks_in = torch.cat([spks, torch.zeros_like(spks)], dim=0)
         cond_in = torch.cat([cond, torch.zeros_like(cond)], dim=0)
+        key_bias = key_bias_for(key_mask, mu.dtype) if key_mask is not None else None
         new_cnn, new_att = [], []
-        for step in range(1, len(t_span)):
+        for step, (mod, dt) in enumerate(self._steps(n_timesteps, mu.device, mu.dtype)):
             velocity, step_cnn, step_att = self.estimator.forward_chunk(
-                x.repeat(2, 1, 1), mu_in, t.repeat(2 * x.shape[0]), spks_in, cond_in,
-                cnn_cache[step - 1] if cnn_cache is not None else None,
-                att_cache[step - 1] if att_cache is not None else None,
-                key_mask, new_only=new_only,
+                x.repeat(2, 1, 1), mu_in, mod, spks_in, cond_in,
+                cnn_cache[step] if cnn_cache is not None else None,
+                att_cache[step] if att_cache is not None else None,
+                key_bias, new_only=new_only,
             )
             new_cnn.append(step_cnn)
             new_att.append(step_att)
             x = x + dt * self._guided(velocity)
-            t = t + dt
-            if step < len(t_span) - 1:
-                dt = t_span[step + 1] - t
         return x, torch.stack(new_cnn), torch.stack(new_att)

@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", default="full")
     parser.add_argument("--batches", default="", help="e.g. 1,4,8,16: batched feed_many rounds with CUDA graphs")
+    parser.add_argument("--kernel-batch", type=int, default=0,
+                        help="also profile one eager 100-token feed_many round of this many streams: GPU time per kernel")
     args = parser.parse_args(argv)
     device = args.device
     rng = np.random.default_rng(0)
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     engine.model_dir = tmp
     voice = engine.prepare_voice(*prompt)
     print(json.dumps({"gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__, "dtype": args.dtype}))
+
+    print(json.dumps({"part": "fused_vs_plain", **fused_vs_plain(engine, voice)}))
 
     # Warm-up stream, then a measured one: split timings per chunk.
     for run in range(2):
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     print(json.dumps({"part": "profile_steady_chunk", "self_cpu_ms": round(cpu_total, 1),
                       "self_cuda_ms": round(cuda_total, 1), "kernel_launches": launches}))
+    if args.kernel_batch:
+        kernel_table(engine, voice, tokens, args.kernel_batch)
     if args.batches:
         graphed = Token2WavEngine.load(model_dir_for(engine), device=device, dtype=args.dtype, cuda_graphs=True)
         graphed_voice = graphed.prepare_voice(*prompt)
@@ -131,6 +137,56 @@ def main(argv: list[str] | None = None) -> int:
                               "encoder_graphs": graphed.encode.num_graphs,
                               "peak_gpu_mib": round(torch.cuda.max_memory_allocated() / 2**20)}))
     return 0
+
+
+def fused_vs_plain(engine: Token2WavEngine, voice) -> dict:
+    """One 100-frame chunk over the voice's prompt cache, solved with what ``freeze`` precomputed (the
+    engine's path) and without it: the largest difference, against the output's scale."""
+    decoder, device = engine.flow.decoder, engine.device
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    mu, z = (torch.randn(1, 80, 100, generator=generator).to(device, engine.dtype) for _ in range(2))
+    cache = voice.prompt_cache
+
+    def solve():
+        return decoder.forward_chunk(mu, voice.projected_speaker, torch.zeros_like(mu), z, engine.n_timesteps,
+                                     cache.estimator_cnn, cache.estimator_att)[0].float()
+
+    fused = solve()
+    frozen, fused_qk = decoder._frozen, [block.attn.qk_weight for block in decoder.estimator.blocks]
+    decoder._frozen = {}
+    for block in decoder.estimator.blocks:
+        block.attn.qk_weight = None
+    try:
+        plain = solve()
+    finally:
+        decoder._frozen = frozen
+        for block, weight in zip(decoder.estimator.blocks, fused_qk):
+            block.attn.qk_weight = weight
+    return {"max_abs_diff": round(float((fused - plain).abs().max()), 5), "max_abs": round(float(plain.abs().max()), 3),
+            "finite": bool(torch.isfinite(fused).all())}
+
+
+def kernel_table(engine: Token2WavEngine, voice, tokens: list[int], batch: int) -> None:
+    """GPU time per kernel of one eager 100-token ``feed_many`` round of ``batch`` streams (after 18,
+    25 and 50 tokens): which kernels a graph replay of that round spends its time in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    states = [engine.start_stream(voice, seed=k) for k in range(batch)]
+    at = 0
+    for size in (18, 25, 50):
+        engine.feed_many([(st, tokens[at:at + size], False) for st in states])
+        at += size
+    piece = tokens[at:at + 100]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.feed_many([(st, piece, False) for st in states])
+        _sync(engine.device)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in kernels) / 1e3 or float("nan")   # nan on a CPU run
+    print(json.dumps({"part": "kernel_table", "batch": batch, "gpu_ms": round(total, 1),
+                      "kernels": sum(e.count for e in kernels)}))
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]:
+        print(json.dumps({"kernel": e.key[:110], "count": e.count, "ms": round(e.self_device_time_total / 1e3, 2),
+                          "share": round(e.self_device_time_total / 1e3 / total, 3)}))
 
 
 def model_dir_for(engine: Token2WavEngine) -> str:
