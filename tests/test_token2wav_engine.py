@@ -488,3 +488,25 @@ def test_feed_batch_runs_first_chunks_first_and_at_most_max_batch_rows(engine, v
         assert not batch.step() and done == [1, 2, 3, 0]
     finally:
         engine.max_batch_rows = saved
+
+
+def test_compile_switch_never_compiles_cpu_work(model_dir, monkeypatch):
+    """compile_fused is for CUDA tensors only: a CPU engine leaves the switch off, and even with the
+    switch on, CPU tensors run the eager functions (a CPU box may have no compiler for inductor)."""
+    from backends.token2wav import fused
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("torch.compile was called for CPU work")
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    Token2WavEngine.load(model_dir, compile_fused=True)
+    assert not fused.is_compiled()
+    x, y = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    gate, scale, shift = torch.randn(8), torch.randn(8), torch.randn(8)
+    fused.use_compiled(True)
+    try:
+        summed, normed = fused.gated_norm(x, y, gate, scale, shift, 1e-6)
+    finally:
+        fused.use_compiled(False)
+    torch.testing.assert_close(summed, x + gate * y)
+    torch.testing.assert_close(normed, torch.nn.functional.layer_norm(x + gate * y, (8,), scale, shift, 1e-6))

@@ -5,9 +5,15 @@ channel axis (80*4 = 320 channels), projected to `hidden_size`. Each block does 
 self-attention (QK-LayerNorm), a causal conv block and an MLP, all gated by the timestep embedding.
 Parameter names mirror the published checkpoint (``decoder.estimator.*``).
 
-Streaming (``forward_chunk``): attention over [this chunk, cached frames] with no mask (chunk-causal
-across chunks, bidirectional inside a chunk); each block's KV cache is stored **newest frames first**
-exactly as the reference does, which matters for how caches get truncated later.
+Streaming (``forward_chunk``): attention over [this chunk, cached frames] (chunk-causal across chunks,
+bidirectional inside a chunk; a key mask only hides padding when streams share a batch); each block's
+KV cache is stored **newest frames first** exactly as the reference does, which matters for how caches
+get truncated later.
+
+How it computes (same function as the reference, fewer kernels; see ``fused``): the adaLN modulation
+depends only on the timestep, so ``modulation(t)`` computes every block's at once and the scale and
+shift become the layer norms' affine; each gated residual is fused with the next sublayer's norm, so a
+block hands its MLP output and gate (``Pending``) to the next block, and the last to the final layer.
 """
 from __future__ import annotations
 
@@ -19,19 +25,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.token2wav import fused
+
 
 MODULATION_ROWS = 9
 """adaLN outputs per block, in the checkpoint's order: shift, scale, gate for attention, MLP and conv."""
 SHIFT_MSA, SCALE_MSA, GATE_MSA, SHIFT_MLP, SCALE_MLP, GATE_MLP, SHIFT_CONV, SCALE_CONV, GATE_CONV = range(9)
 
+Pending = Optional[tuple[torch.Tensor, torch.Tensor]]
+"""A residual branch not yet added: (output, gate); added by the next block's (or the final layer's) norm."""
 
-def modulated_norm(x: torch.Tensor, scale_plus_one: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
-    """``LayerNorm(x) * (1 + scale) + shift`` (the DiT's adaLN) as one layer_norm kernel.
 
-    Why: the modulation depends only on the timestep, which every row of a solve shares, so it can be
-    the norm's own affine weight and bias; three kernels become one.
-    """
-    return F.layer_norm(x, (x.shape[-1],), scale_plus_one, shift, eps)
+def enter_norm(x: torch.Tensor, pending: Pending, scale_plus_one: torch.Tensor, shift: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the pending gated residual to x (if any) and take the adaLN norm of the sum."""
+    if pending is None:
+        return x, fused.modulated_norm(x, scale_plus_one, shift, eps)
+    return fused.gated_norm(x, pending[0], pending[1], scale_plus_one, shift, eps)
 
 
 class MLP(nn.Module):
@@ -51,9 +61,9 @@ class MLP(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention with LayerNorm on q and k (per head).
 
-    After ``fuse_projections`` (done by ``CausalConditionalCFM.freeze``), q and k come from one GEMM
-    with the concatenated weights; either way both are normalised by one kernel and given their own
-    affine by a second.
+    q and k come from one GEMM (weights concatenated; kept by ``fuse_projections``, which
+    ``CausalConditionalCFM.freeze`` calls, or stacked per call) and are normalised together
+    (``fused.qk_norm_kv``).
     """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int):
@@ -84,26 +94,19 @@ class Attention(nn.Module):
         self.qk_weight, self.qk_bias, self.qk_norm_weight, self.qk_norm_bias = (
             t.detach().clone() for t in self._stacked())
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (b, t, c) -> q, k, v (b, heads, t, head_dim), as strided views (last dim contiguous)."""
+    def _attend(self, x: torch.Tensor, att_cache: Optional[torch.Tensor],
+                mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention output (b, t, c) and this chunk's keys/values (b, h, t, 2*head_dim)."""
         b, t, _ = x.shape
-        fused = self.qk_weight is not None
+        fused_weights = self.qk_weight is not None
         qk_weight, qk_bias, norm_weight, norm_bias = (
-            (self.qk_weight, self.qk_bias, self.qk_norm_weight, self.qk_norm_bias) if fused else self._stacked())
+            (self.qk_weight, self.qk_bias, self.qk_norm_weight, self.qk_norm_bias) if fused_weights else self._stacked())
         qk = F.linear(x, qk_weight, qk_bias).view(b, t, 2, self.num_heads, self.head_dim)
-        # q_norm and k_norm share eps (LayerNorm's default); their affines differ, hence addcmul.
-        qk = torch.addcmul(norm_bias, F.layer_norm(qk, (self.head_dim,), eps=self.q_norm.eps), norm_weight)
         v = self.to_v(x).view(b, t, self.num_heads, self.head_dim)
-        return qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2), v.transpose(1, 2)
-
-    def _out(self, attended: torch.Tensor) -> torch.Tensor:
-        b, _, t, _ = attended.shape
-        return self.proj(attended.transpose(1, 2).reshape(b, t, -1))
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
-        """x (b, t, c); attn_mask (b, 1, t) bool (key padding)."""
-        q, k, v = self._qkv(x)
-        return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask.unsqueeze(1)))
+        # q_norm and k_norm share eps (LayerNorm's default); their affines differ.
+        q, new_kv, k, v = fused.qk_norm_kv(qk, v, norm_weight, norm_bias, self.q_norm.eps, att_cache)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(attended.transpose(1, 2).reshape(b, t, -1)), new_kv
 
     def forward_chunk(self, x: torch.Tensor, att_cache: Optional[torch.Tensor],
                       key_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,12 +120,7 @@ class Attention(nn.Module):
         Returns the output and this chunk's own keys/values (b, h, t, 2*head_dim); the new cache is
         ``cat([that, att_cache], dim=2)`` (newest first), left to the caller.
         """
-        q, k, v = self._qkv(x)
-        new_kv = torch.cat([k, v], dim=3)
-        # Keys and values stay interleaved as in the cache: one copy, then views of it.
-        kv = new_kv if att_cache is None else torch.cat([new_kv, att_cache], dim=2)
-        k, v = kv[..., :self.head_dim], kv[..., self.head_dim:]
-        return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)), new_kv
+        return self._attend(x, att_cache, key_mask)
 
 
 class TimestepEmbedder(nn.Module):
@@ -152,36 +150,21 @@ class TimestepEmbedder(nn.Module):
         return self.mlp(self.sinusoid(t * self.scale, self.frequency_embedding_size))
 
 
-def causal_conv_time_major(x: torch.Tensor, conv: nn.Conv1d, cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A causal conv1d (stride 1) on time-major input, as one GEMM over the k shifted frames.
-
-    x (b, t, c_in); cache (b, k-1, c_in), the previous inputs' tail (None: zeros, i.e. left padding).
-    Returns (b, t, c_out) and the new tail (b, k-1, c_in). Same function as F.conv1d on the padded
-    input, with conv's weight (c_out, c_in, k) and bias.
-    Why: on a GPU cuDNN plans every conv1d call on the CPU (~0.5 ms measured on an H100 host), and a
-    streaming chunk runs 10 steps x 16 blocks x 2 convs; staying time-major also spares the
-    transposes a channel-major conv needs between the block's layer_norms.
-    """
-    k = conv.kernel_size[0]
-    if cache is None:
-        cache = x.new_zeros(x.shape[0], k - 1, x.shape[2])
-    padded = torch.cat([cache, x], dim=1)                         # (b, t + k - 1, c_in)
-    windows = padded.unfold(1, k, 1)                              # (b, t, c_in, k), a view
-    cols = windows.reshape(x.shape[0], x.shape[1], -1)           # (b, t, c_in*k): matches weight's (c_in, k)
-    return F.linear(cols, conv.weight.reshape(conv.out_channels, -1), conv.bias), padded[:, -(k - 1):]
-
-
 class CausalConvBlock(nn.Module):
     """conv -> LayerNorm -> Mish -> conv, on (b, t, c); both convs causal (kernel 3, left context 2).
 
     The Sequential only mirrors the checkpoint's parameter names (block.1 and block.6 are the convs,
-    block.3 the LayerNorm); the computation is ``forward_chunk``.
+    block.3 the LayerNorm); the computation is ``forward_chunk``. Each conv runs as one GEMM over the
+    shifted frames (``fused.conv_frames``). Why not F.conv1d: on a GPU cuDNN plans every conv1d call on
+    the CPU (~0.5 ms measured on an H100 host), and time-major frames spare the transposes a
+    channel-major conv needs around the block's layer norms.
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3):
         super().__init__()
         self.in_channels = in_channels
         self.out_channels = out_channels
+        self.context = kernel_size - 1
         self.block = nn.Sequential(
             nn.Identity(),
             nn.Conv1d(in_channels, out_channels, kernel_size),
@@ -195,22 +178,28 @@ class CausalConvBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_chunk(x, None)[0]
 
+    @staticmethod
+    def _conv(frames: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+        return F.linear(frames, conv.weight.reshape(conv.out_channels, -1), conv.bias)
+
     def forward_chunk(self, x: torch.Tensor, cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cache (b, in+out, kernel-1): the two convs' input tails, concatenated on channels."""
-        tail1 = tail2 = None
-        if cache is not None:
-            tail1, tail2 = cache.transpose(1, 2).split((self.in_channels, self.out_channels), dim=2)
-        h, new1 = causal_conv_time_major(x, self.block[1], tail1)
-        h = self.block[4](self.block[3](h))
-        h, new2 = causal_conv_time_major(h, self.block[6], tail2)
-        return h, torch.cat([new1, new2], dim=2).transpose(1, 2)
+        """cache (b, in+out, kernel-1): the two convs' input tails, concatenated on channels (None: zeros)."""
+        if cache is None:
+            cache = x.new_zeros(x.shape[0], self.in_channels + self.out_channels, self.context)
+        tail1, tail2 = cache.transpose(1, 2).split((self.in_channels, self.out_channels), dim=2)
+        frames, new1 = fused.conv_frames(x, tail1)
+        norm = self.block[3]
+        h = fused.norm_mish(self._conv(frames, self.block[1]), norm.weight, norm.bias, norm.eps)
+        frames, new2 = fused.conv_frames(h, tail2)
+        return self._conv(frames, self.block[6]), torch.cat([new1, new2], dim=2).transpose(1, 2)
 
 
 class DiTBlock(nn.Module):
     """Attention, causal conv block and MLP, each adaLN-modulated and gated by the timestep.
 
     The modulation (``adaLN_modulation(c)``) is computed once per timestep for all blocks by
-    ``DiT.modulation`` and passed in as ``mod`` (9, hidden): see ``MODULATION_ROWS``.
+    ``DiT.modulation`` and passed in as ``mod`` (9, hidden): see ``MODULATION_ROWS``. A block takes the
+    previous block's unadded MLP branch (``Pending``) and returns its own.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, mlp_ratio: float = 4.0):
@@ -223,25 +212,17 @@ class DiTBlock(nn.Module):
         self.conv = CausalConvBlock(hidden_size, hidden_size, kernel_size=3)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, MODULATION_ROWS * hidden_size))
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
-        x = torch.addcmul(x, mod[GATE_MSA], self.attn(
-            modulated_norm(x, mod[SCALE_MSA], mod[SHIFT_MSA], self.norm1.eps), attn_mask))
-        x = torch.addcmul(x, mod[GATE_CONV], self.conv(
-            modulated_norm(x, mod[SCALE_CONV], mod[SHIFT_CONV], self.norm3.eps)))
-        return torch.addcmul(x, mod[GATE_MLP], self.mlp(modulated_norm(x, mod[SCALE_MLP], mod[SHIFT_MLP], self.norm2.eps)))
-
     def forward_chunk(
-        self, x: torch.Tensor, mod: torch.Tensor, cnn_cache: Optional[torch.Tensor], att_cache: Optional[torch.Tensor],
-        key_mask: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        attended, new_att = self.attn.forward_chunk(
-            modulated_norm(x, mod[SCALE_MSA], mod[SHIFT_MSA], self.norm1.eps), att_cache, key_mask)
-        x = torch.addcmul(x, mod[GATE_MSA], attended)
-        convolved, new_cnn = self.conv.forward_chunk(
-            modulated_norm(x, mod[SCALE_CONV], mod[SHIFT_CONV], self.norm3.eps), cnn_cache)
-        x = torch.addcmul(x, mod[GATE_CONV], convolved)
-        x = torch.addcmul(x, mod[GATE_MLP], self.mlp(modulated_norm(x, mod[SCALE_MLP], mod[SHIFT_MLP], self.norm2.eps)))
-        return x, new_cnn, new_att
+        self, x: torch.Tensor, pending: Pending, mod: torch.Tensor, cnn_cache: Optional[torch.Tensor],
+        att_cache: Optional[torch.Tensor], key_mask: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, Pending, torch.Tensor, torch.Tensor]:
+        """Returns x, this block's pending MLP branch, and its new conv and attention caches."""
+        x, h = enter_norm(x, pending, mod[SCALE_MSA], mod[SHIFT_MSA], self.norm1.eps)
+        attended, new_att = self.attn.forward_chunk(h, att_cache, key_mask)
+        x, h = fused.gated_norm(x, attended, mod[GATE_MSA], mod[SCALE_CONV], mod[SHIFT_CONV], self.norm3.eps)
+        convolved, new_cnn = self.conv.forward_chunk(h, cnn_cache)
+        x, h = fused.gated_norm(x, convolved, mod[GATE_CONV], mod[SCALE_MLP], mod[SHIFT_MLP], self.norm2.eps)
+        return x, (self.mlp(h), mod[GATE_MLP]), new_cnn, new_att
 
 
 class FinalLayer(nn.Module):
@@ -251,18 +232,22 @@ class FinalLayer(nn.Module):
         self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.linear = nn.Linear(hidden_size, out_channels)
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pending: Pending, mod: torch.Tensor) -> torch.Tensor:
         """mod (2, hidden): [shift, 1 + scale] (``DiT.modulation``)."""
-        return self.linear(modulated_norm(x, mod[1], mod[0], self.norm_final.eps))
+        return self.linear(enter_norm(x, pending, mod[1], mod[0], self.norm_final.eps)[1])
 
 
 def key_bias_for(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bool key mask (b, t_keys) as the additive attention bias (b, 1, 1, t_keys): 0 or -inf.
 
-    Made once per solve: a bool mask would be converted again in every block of every step.
+    Made once per solve: a bool mask would be converted again in every block of every step. Its rows
+    are allocated 16-aligned (then sliced to t_keys): PyTorch's fused attention pads a bias whose row
+    stride is not a multiple of 16 before each call.
     """
-    bias = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device).masked_fill(~key_mask, float("-inf"))
-    return bias[:, None, None, :]
+    batch, keys = key_mask.shape
+    aligned = -(-keys // 16) * 16
+    bias = torch.zeros(batch, aligned, dtype=dtype, device=key_mask.device)[:, :keys]
+    return bias.masked_fill_(~key_mask, float("-inf"))[:, None, None, :]
 
 
 @dataclass(frozen=True)
@@ -309,23 +294,11 @@ class DiT(nn.Module):
         final[1] += 1
         return StepModulation(blocks, final)
 
-    def _inputs(self, x, mu, spks, cond) -> torch.Tensor:
-        """Stack [x, mu, spks, cond] on channels -> (b, t, hidden)."""
-        parts = [x, mu]
-        if spks is not None:
-            parts.append(spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        if cond is not None:
-            parts.append(cond)
-        return self.in_proj(torch.cat(parts, dim=1).transpose(1, 2))
-
     def forward(self, x, mask, mu, mod: StepModulation, spks=None, cond=None) -> torch.Tensor:
         """Whole sequence. x, mu, cond (b, c, t); mask (b, 1, t); mod: ``modulation(t)``; spks (b, c).
-        Returns (b, out, t)."""
-        h = self._inputs(x, mu, spks, cond)
-        attn_mask = mask.bool()
-        for block, block_mod in zip(self.blocks, mod.blocks):
-            h = block(h, block_mod, attn_mask)
-        return self.final_layer(h, mod.final).transpose(1, 2)
+        Returns (b, out, t). Padded frames (mask 0) are hidden as keys."""
+        key_bias = key_bias_for(mask[:, 0].bool(), x.dtype)
+        return self.forward_chunk(x, mu, mod, spks, cond, key_mask=key_bias)[0]
 
     def forward_chunk(
         self,
@@ -350,12 +323,13 @@ class DiT(nn.Module):
 
         Returns the output (b, out, t) and freshly allocated caches (never views of shared buffers).
         """
-        h = self._inputs(x, mu, spks, cond)
+        h = self.in_proj(fused.estimator_input(x, mu, spks, cond))
         key_bias = key_bias_for(key_mask, h.dtype) if key_mask is not None and key_mask.dtype == torch.bool else key_mask
+        pending: Pending = None
         new_cnn, new_att = [], []
         for i, block in enumerate(self.blocks):
-            h, block_cnn, block_att = block.forward_chunk(
-                h, mod.blocks[i],
+            h, pending, block_cnn, block_att = block.forward_chunk(
+                h, pending, mod.blocks[i],
                 cnn_cache[i] if cnn_cache is not None else None,
                 att_cache[i] if att_cache is not None else None,
                 key_bias,
@@ -364,7 +338,7 @@ class DiT(nn.Module):
             if att_cache is not None and not new_only:
                 block_att = torch.cat([block_att, att_cache[i]], dim=2)
             new_att.append(block_att)
-        return self.final_layer(h, mod.final).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_att)
+        return self.final_layer(h, pending, mod.final).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_att)
 
     def fuse_projections(self) -> None:
         """Precompute the stacked q/k weights of every block (``Attention.fuse_projections``)."""

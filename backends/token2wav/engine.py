@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from backends.token2wav import fused
 from backends.token2wav.config import load_flow
 from backends.token2wav.cuda_graph import GraphedCall
 from backends.token2wav.flow import CausalMaskedDiffWithXvec, FlowCache
@@ -166,7 +167,7 @@ class Token2WavEngine:
     def __init__(self, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator, device: Union[str, torch.device] = "cpu",
                  dtype: Union[str, torch.dtype] = "float32", n_timesteps: int = N_TIMESTEPS, cuda_graphs: bool = False,
                  graph_mib: int = 16384, chunk_quantum: int = CHUNK_QUANTUM_TOKENS,
-                 max_chunk_tokens: int = MAX_CHUNK_TOKENS, max_batch_rows: int = 16):
+                 max_chunk_tokens: int = MAX_CHUNK_TOKENS, max_batch_rows: int = 16, compile_fused: bool = False):
         if not 1 <= chunk_quantum <= max_chunk_tokens:
             raise ValueError(f"need 1 <= chunk_quantum ({chunk_quantum}) <= max_chunk_tokens ({max_chunk_tokens})")
         self.chunk_quantum = chunk_quantum
@@ -196,6 +197,10 @@ class Token2WavEngine:
         self.solve = functools.partial(self.flow.decoder.forward_chunk, new_only=True)
         self.encode = self._encode
         self.graphed_solve: Optional[GraphedCall] = None
+        # The DiT's elementwise groups as generated fused kernels (backends.token2wav.fused); compiled on
+        # the first solves, i.e. during the warm-up. A process-wide switch, and CUDA tensors only.
+        if compile_fused and self.device.type == "cuda":
+            fused.use_compiled(True)
         if cuda_graphs and self.device.type == "cuda":
             self.graphed_solve = GraphedCall(self.solve, max_bytes=graph_mib << 20)
             self.solve = self.graphed_solve
@@ -206,7 +211,7 @@ class Token2WavEngine:
 
     @classmethod
     def load(cls, model_dir: Union[str, Path], device: str = "cpu", dtype: str = "float32",
-             cuda_graphs: bool = False, graph_mib: int = 16384) -> "Token2WavEngine":
+             cuda_graphs: bool = False, graph_mib: int = 16384, compile_fused: bool = False) -> "Token2WavEngine":
         """Read flow.yaml, flow.pt and hift.pt from a Step-Audio2 token2wav folder; strict state-dict loads."""
         model_dir = Path(model_dir)
         for name in ("flow.yaml", "flow.pt", "hift.pt"):
@@ -218,7 +223,8 @@ class Token2WavEngine:
         del state
         hift = load_hift(model_dir / "hift.pt", device="cpu", dtype=torch.float32,
                          **hift_hyperparams_from_checkpoint(model_dir / "hift.pt"))
-        return cls(flow, hift, device=device, dtype=dtype, cuda_graphs=cuda_graphs, graph_mib=graph_mib)
+        return cls(flow, hift, device=device, dtype=dtype, cuda_graphs=cuda_graphs, graph_mib=graph_mib,
+                   compile_fused=compile_fused)
 
     # ---- voices ----
 

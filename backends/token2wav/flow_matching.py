@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from backends.token2wav import fused
 from backends.token2wav.dit import DiT, StepModulation, key_bias_for
 
 
@@ -70,10 +71,6 @@ class CausalConditionalCFM(nn.Module):
         frozen = self._frozen.get((n_timesteps, device, dtype))
         return frozen if frozen is not None else self._compute_steps(n_timesteps, device, dtype)
 
-    def _guided(self, velocity: torch.Tensor) -> torch.Tensor:
-        cond_v, uncond_v = velocity.chunk(2, dim=0)
-        return (1.0 + self.inference_cfg_rate) * cond_v - self.inference_cfg_rate * uncond_v
-
     @torch.inference_mode()
     def forward(
         self,
@@ -92,7 +89,7 @@ class CausalConditionalCFM(nn.Module):
         cond_in = torch.cat([cond, torch.zeros_like(cond)], dim=0)
         for mod, dt in self._steps(n_timesteps, mu.device, mu.dtype):
             velocity = self.estimator(torch.cat([x, x], dim=0), mask_in, mu_in, mod, spks_in, cond_in)
-            x = x + dt * self._guided(velocity)
+            x = fused.guided_euler_step(x, velocity, dt, self.inference_cfg_rate)
         return x
 
     @torch.inference_mode()
@@ -128,5 +125,5 @@ class CausalConditionalCFM(nn.Module):
             )
             new_cnn.append(step_cnn)
             new_att.append(step_att)
-            x = x + dt * self._guided(velocity)
+            x = fused.guided_euler_step(x, velocity, dt, self.inference_cfg_rate)
         return x, torch.stack(new_cnn), torch.stack(new_att)

@@ -97,6 +97,9 @@ class ServiceConfig:
     """1: on a CUDA device, replay the estimator solve and HiFT from CUDA graphs (0: eager)."""
     graph_mib: int = 16384
     """GPU memory the estimator's CUDA graphs may hold (beyond it, new shapes run eagerly)."""
+    compile_fused: int = 1
+    """1: on a CUDA device, compile the DiT's elementwise groups into fused kernels (torch.compile, at
+    the first solves: the warm-up); 0: run them as separate eager kernels."""
     warmup_prompt_tokens: int = 0
     """>0: at start, capture the CUDA graphs of every canonical chunk shape for voices with prompts of
     about this many tokens (the presets: 150), at batches up to the model's max_batch_size (0: off)."""

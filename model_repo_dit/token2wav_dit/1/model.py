@@ -51,7 +51,7 @@ class TritonPythonModel:
         self.config = ServiceConfig.from_parameters(parameters)
         engine = Token2WavEngine.load(self.config.model_dir, device=_instance_device(self.config.device, args),
                                       dtype=self.config.dtype, cuda_graphs=bool(self.config.cuda_graphs),
-                                      graph_mib=self.config.graph_mib)
+                                      graph_mib=self.config.graph_mib, compile_fused=bool(self.config.compile_fused))
         # Streams per engine call: as many as Triton batches per execute (the worker may hold more).
         engine.max_batch_rows = max(1, int(model_config.get("max_batch_size", 1)))
         self.service = Token2WavService(engine, self.config)
