@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+from backends.token2wav import fused
 from backends.token2wav.engine import Token2WavEngine
 from backends.token2wav.tiny import write_token2wav_dir
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", default="full")
     parser.add_argument("--batches", default="", help="e.g. 1,4,8,16: batched feed_many rounds with CUDA graphs")
+    parser.add_argument("--compile", type=int, default=1, help="1: the engine's compile_fused (fused DiT kernels)")
     parser.add_argument("--kernel-batch", type=int, default=0,
                         help="also profile one eager 100-token feed_many round of this many streams: GPU time per kernel")
     args = parser.parse_args(argv)
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(t) for t in rng.integers(0, 6561, 600)]
     tmp = tempfile.mkdtemp(prefix="t2w-profile-")
     write_token2wav_dir(tmp, args.size, seed=0)
-    engine = Token2WavEngine.load(tmp, device=device, dtype=args.dtype)
+    engine = Token2WavEngine.load(tmp, device=device, dtype=args.dtype, compile_fused=bool(args.compile))
     engine.model_dir = tmp
     voice = engine.prepare_voice(*prompt)
     print(json.dumps({"gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__, "dtype": args.dtype}))
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernel_batch:
         kernel_table(engine, voice, tokens, args.kernel_batch)
     if args.batches:
-        graphed = Token2WavEngine.load(model_dir_for(engine), device=device, dtype=args.dtype, cuda_graphs=True)
+        graphed = Token2WavEngine.load(model_dir_for(engine), device=device, dtype=args.dtype, cuda_graphs=True,
+                                       compile_fused=bool(args.compile))
         graphed_voice = graphed.prepare_voice(*prompt)
         for batch in (int(b) for b in args.batches.split(",")):
             for mode in ("graphs", "eager") if batch <= 8 else ("graphs",):
@@ -140,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fused_vs_plain(engine: Token2WavEngine, voice) -> dict:
-    """One 100-frame chunk over the voice's prompt cache, solved with what ``freeze`` precomputed (the
-    engine's path) and without it: the largest difference, against the output's scale."""
+    """One 100-frame chunk over the voice's prompt cache, solved as the engine does (what ``freeze``
+    precomputed; compiled fused kernels if on) and without either: the largest difference, against the
+    output's scale. The first call also times the compilation."""
     decoder, device = engine.flow.decoder, engine.device
     generator = torch.Generator(device="cpu").manual_seed(0)
     mu, z = (torch.randn(1, 80, 100, generator=generator).to(device, engine.dtype) for _ in range(2))
@@ -151,19 +155,24 @@ def fused_vs_plain(engine: Token2WavEngine, voice) -> dict:
         return decoder.forward_chunk(mu, voice.projected_speaker, torch.zeros_like(mu), z, engine.n_timesteps,
                                      cache.estimator_cnn, cache.estimator_att)[0].float()
 
-    fused = solve()
+    start = time.perf_counter()
+    fused_out = solve()
+    first_ms = (time.perf_counter() - start) * 1e3
     frozen, fused_qk = decoder._frozen, [block.attn.qk_weight for block in decoder.estimator.blocks]
+    compiled = fused.is_compiled()
+    fused.use_compiled(False)
     decoder._frozen = {}
     for block in decoder.estimator.blocks:
         block.attn.qk_weight = None
     try:
         plain = solve()
     finally:
+        fused.use_compiled(compiled)
         decoder._frozen = frozen
         for block, weight in zip(decoder.estimator.blocks, fused_qk):
             block.attn.qk_weight = weight
-    return {"max_abs_diff": round(float((fused - plain).abs().max()), 5), "max_abs": round(float(plain.abs().max()), 3),
-            "finite": bool(torch.isfinite(fused).all())}
+    return {"compiled": compiled, "first_call_ms": round(first_ms), "max_abs_diff": round(float((fused_out - plain).abs().max()), 5),
+            "max_abs": round(float(plain.abs().max()), 3), "finite": bool(torch.isfinite(fused_out).all())}
 
 
 def kernel_table(engine: Token2WavEngine, voice, tokens: list[int], batch: int) -> None:
@@ -177,10 +186,17 @@ def kernel_table(engine: Token2WavEngine, voice, tokens: list[int], batch: int) 
         engine.feed_many([(st, tokens[at:at + size], False) for st in states])
         at += size
     piece = tokens[at:at + 100]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         engine.feed_many([(st, piece, False) for st in states])
         _sync(engine.device)
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # Operators by GPU time, their kernels included, and by input shape: which calls the copy kernels serve.
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+    for e in sorted(ops, key=lambda e: -e.device_time_total)[:16]:
+        print(json.dumps({"op": e.key, "shapes": str(e.input_shapes)[:150], "count": e.count,
+                          "ms": round(e.device_time_total / 1e3, 2)}))
+    # ("## Call CompiledFxGraph" rows span a compiled function's kernels, which are listed themselves.)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.key.startswith("## Call CompiledFxGraph")]
     total = sum(e.self_device_time_total for e in kernels) / 1e3 or float("nan")   # nan on a CPU run
     print(json.dumps({"part": "kernel_table", "batch": batch, "gpu_ms": round(total, 1),
                       "kernels": sum(e.count for e in kernels)}))
