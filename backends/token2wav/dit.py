@@ -48,11 +48,10 @@ class MLP(nn.Module):
     def __init__(self, in_features: int, hidden_features: int):
         super().__init__()
         self.fc1 = nn.Linear(in_features, hidden_features)
-        self.act = nn.GELU(approximate="tanh")
         self.fc2 = nn.Linear(hidden_features, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fc1 and its tanh-GELU in one GEMM (cuBLASLt's GELU epilogue on a GPU; addmm + gelu elsewhere).
+        # fc1 and its activation, tanh-approximated GELU, in one GEMM (cuBLASLt's GELU epilogue on a GPU; addmm + gelu elsewhere).
         rows = x.reshape(-1, x.shape[-1])
         hidden = torch._addmm_activation(self.fc1.bias, rows, self.fc1.weight.t(), use_gelu=True)
         return self.fc2(hidden).reshape(*x.shape[:-1], -1)
@@ -94,9 +93,18 @@ class Attention(nn.Module):
         self.qk_weight, self.qk_bias, self.qk_norm_weight, self.qk_norm_bias = (
             t.detach().clone() for t in self._stacked())
 
-    def _attend(self, x: torch.Tensor, att_cache: Optional[torch.Tensor],
-                mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention output (b, t, c) and this chunk's keys/values (b, h, t, 2*head_dim)."""
+    def forward_chunk(self, x: torch.Tensor, att_cache: Optional[torch.Tensor],
+                      key_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (b, t, c); att_cache (b, h, t_cache, 2*head_dim) newest-first, or None.
+
+        ``key_bias`` (b, 1, 1, t + t_cache): an additive bias, -inf for keys that take no part
+        (``key_bias_for``). It lets streams whose caches differ in length share one batch (each cache
+        padded to a common length). The DiT has no positional encoding, so where the padding sits does
+        not matter, only that it is masked.
+
+        Returns the output (b, t, c) and this chunk's own keys/values (b, h, t, 2*head_dim); the new
+        cache is ``cat([that, att_cache], dim=2)`` (newest first), left to the caller.
+        """
         b, t, _ = x.shape
         fused_weights = self.qk_weight is not None
         qk_weight, qk_bias, norm_weight, norm_bias = (
@@ -105,22 +113,8 @@ class Attention(nn.Module):
         v = self.to_v(x).view(b, t, self.num_heads, self.head_dim)
         # q_norm and k_norm share eps (LayerNorm's default); their affines differ.
         q, new_kv, k, v = fused.qk_norm_kv(qk, v, norm_weight, norm_bias, self.q_norm.eps, att_cache)
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=key_bias)
         return self.proj(attended.transpose(1, 2).reshape(b, t, -1)), new_kv
-
-    def forward_chunk(self, x: torch.Tensor, att_cache: Optional[torch.Tensor],
-                      key_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (b, t, c); att_cache (b, h, t_cache, 2*head_dim) newest-first.
-
-        ``key_mask`` (b, 1, 1, t + t_cache): an additive bias, -inf for keys that take no part. It lets
-        streams whose caches differ in length share one batch (each cache padded to a common length).
-        The DiT has no positional encoding, so where the padding sits does not matter, only that it
-        is masked.
-
-        Returns the output and this chunk's own keys/values (b, h, t, 2*head_dim); the new cache is
-        ``cat([that, att_cache], dim=2)`` (newest first), left to the caller.
-        """
-        return self._attend(x, att_cache, key_mask)
 
 
 class TimestepEmbedder(nn.Module):
@@ -175,9 +169,6 @@ class CausalConvBlock(nn.Module):
             nn.Conv1d(out_channels, out_channels, kernel_size),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_chunk(x, None)[0]
-
     @staticmethod
     def _conv(frames: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
         return F.linear(frames, conv.weight.reshape(conv.out_channels, -1), conv.bias)
@@ -214,11 +205,11 @@ class DiTBlock(nn.Module):
 
     def forward_chunk(
         self, x: torch.Tensor, pending: Pending, mod: torch.Tensor, cnn_cache: Optional[torch.Tensor],
-        att_cache: Optional[torch.Tensor], key_mask: Optional[torch.Tensor] = None,
+        att_cache: Optional[torch.Tensor], key_bias: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Pending, torch.Tensor, torch.Tensor]:
         """Returns x, this block's pending MLP branch, and its new conv and attention caches."""
         x, h = enter_norm(x, pending, mod[SCALE_MSA], mod[SHIFT_MSA], self.norm1.eps)
-        attended, new_att = self.attn.forward_chunk(h, att_cache, key_mask)
+        attended, new_att = self.attn.forward_chunk(h, att_cache, key_bias)
         x, h = fused.gated_norm(x, attended, mod[GATE_MSA], mod[SCALE_CONV], mod[SHIFT_CONV], self.norm3.eps)
         convolved, new_cnn = self.conv.forward_chunk(h, cnn_cache)
         x, h = fused.gated_norm(x, convolved, mod[GATE_CONV], mod[SCALE_MLP], mod[SHIFT_MLP], self.norm2.eps)
@@ -294,11 +285,10 @@ class DiT(nn.Module):
         final[1] += 1
         return StepModulation(blocks, final)
 
-    def forward(self, x, mask, mu, mod: StepModulation, spks=None, cond=None) -> torch.Tensor:
-        """Whole sequence. x, mu, cond (b, c, t); mask (b, 1, t); mod: ``modulation(t)``; spks (b, c).
-        Returns (b, out, t). Padded frames (mask 0) are hidden as keys."""
-        key_bias = key_bias_for(mask[:, 0].bool(), x.dtype)
-        return self.forward_chunk(x, mu, mod, spks, cond, key_mask=key_bias)[0]
+    def forward(self, x, key_bias, mu, mod: StepModulation, spks=None, cond=None) -> torch.Tensor:
+        """Whole sequence. x, mu, cond (b, c, t); key_bias: ``key_bias_for`` the (b, t) frame mask;
+        mod: ``modulation(t)``; spks (b, c). Returns (b, out, t)."""
+        return self.forward_chunk(x, mu, mod, spks, cond, key_bias=key_bias)[0]
 
     def forward_chunk(
         self,
@@ -309,22 +299,21 @@ class DiT(nn.Module):
         cond: Optional[torch.Tensor],
         cnn_cache: Optional[torch.Tensor] = None,
         att_cache: Optional[torch.Tensor] = None,
-        key_mask: Optional[torch.Tensor] = None,
+        key_bias: Optional[torch.Tensor] = None,
         new_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One chunk. mod: ``modulation(t)``; cnn_cache (depth, b, 2*hidden, 2); att_cache (depth, b,
         heads, t_cache, 2*head_dim).
 
-        ``key_mask`` (b, t + t_cache) bool: which frames of [this chunk, the cache] are real keys (False:
-        padding, ignored); lets streams with different chunk and cache lengths share a batch. Or, made
-        once per solve, its ``key_bias_for``.
+        ``key_bias``: ``key_bias_for`` the (b, t + t_cache) mask of which frames of [this chunk, the cache]
+        are real keys (padding is ignored); lets streams with different chunk and cache lengths share a
+        batch. Made once per solve by the caller.
         ``new_only``: return only this chunk's frames of the attention cache (the caller prepends them
         to its old cache); a CUDA graph then keeps a static output of the chunk's size, not the cache's.
 
         Returns the output (b, out, t) and freshly allocated caches (never views of shared buffers).
         """
         h = self.in_proj(fused.estimator_input(x, mu, spks, cond))
-        key_bias = key_bias_for(key_mask, h.dtype) if key_mask is not None and key_mask.dtype == torch.bool else key_mask
         pending: Pending = None
         new_cnn, new_att = [], []
         for i, block in enumerate(self.blocks):

@@ -161,6 +161,14 @@ class StreamState:
     samples_out: int = 0
 
 
+def load_flow_checkpoint(model_dir: Union[str, Path]) -> CausalMaskedDiffWithXvec:
+    """The flow of a token2wav folder: built from flow.yaml, flow.pt loaded strictly, float32 on the CPU."""
+    flow = load_flow(Path(model_dir) / "flow.yaml")
+    state = torch.load(Path(model_dir) / "flow.pt", map_location="cpu", weights_only=True)
+    flow.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return flow
+
+
 class Token2WavEngine:
     sample_rate: int = SAMPLE_RATE
 
@@ -217,10 +225,7 @@ class Token2WavEngine:
         for name in ("flow.yaml", "flow.pt", "hift.pt"):
             if not (model_dir / name).is_file():
                 raise FileNotFoundError(f"{model_dir / name} is missing (need flow.yaml, flow.pt, hift.pt)")
-        flow = load_flow(model_dir / "flow.yaml")
-        state = torch.load(model_dir / "flow.pt", map_location="cpu", weights_only=True)
-        flow.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-        del state
+        flow = load_flow_checkpoint(model_dir)
         hift = load_hift(model_dir / "hift.pt", device="cpu", dtype=torch.float32,
                          **hift_hyperparams_from_checkpoint(model_dir / "hift.pt"))
         return cls(flow, hift, device=device, dtype=dtype, cuda_graphs=cuda_graphs, graph_mib=graph_mib,

@@ -47,8 +47,8 @@ class CausalConditionalCFM(nn.Module):
         self.estimator = estimator
         self.inference_cfg_rate = inference_cfg_rate
         self.out_channels = estimator.out_channels
-        # Set by freeze(): (n_timesteps, device, dtype) -> per-step (modulation, dt).
-        self._frozen: dict[tuple, list[tuple[StepModulation, torch.Tensor]]] = {}
+        # Set by freeze(): ((n_timesteps, device, dtype), per-step (modulation, dt)).
+        self._frozen: Optional[tuple[tuple, list[tuple[StepModulation, torch.Tensor]]]] = None
 
     @torch.inference_mode()
     def freeze(self, n_timesteps: int) -> None:
@@ -61,15 +61,16 @@ class CausalConditionalCFM(nn.Module):
         """
         device, dtype = self.estimator.in_proj.weight.device, self.estimator.in_proj.weight.dtype
         self.estimator.fuse_projections()
-        self._frozen = {(n_timesteps, device, dtype): self._compute_steps(n_timesteps, device, dtype)}
+        self._frozen = (n_timesteps, device, dtype), self._compute_steps(n_timesteps, device, dtype)
 
     def _compute_steps(self, n_timesteps: int, device: torch.device,
                        dtype: torch.dtype) -> list[tuple[StepModulation, torch.Tensor]]:
         return [(self.estimator.modulation(t), dt) for t, dt in euler_steps(n_timesteps, device, dtype)]
 
     def _steps(self, n_timesteps: int, device: torch.device, dtype: torch.dtype) -> list[tuple[StepModulation, torch.Tensor]]:
-        frozen = self._frozen.get((n_timesteps, device, dtype))
-        return frozen if frozen is not None else self._compute_steps(n_timesteps, device, dtype)
+        if self._frozen is not None and self._frozen[0] == (n_timesteps, device, dtype):
+            return self._frozen[1]
+        return self._compute_steps(n_timesteps, device, dtype)
 
     @torch.inference_mode()
     def forward(
@@ -83,12 +84,12 @@ class CausalConditionalCFM(nn.Module):
     ) -> torch.Tensor:
         """Whole utterance. mu, cond, z (b, 80, t); mask (b, 1, t); spks (b, 80). Returns mel (b, 80, t)."""
         x = z.to(mu.dtype)
-        mask_in = torch.cat([mask, mask], dim=0)
+        key_bias = key_bias_for(torch.cat([mask, mask], dim=0)[:, 0].bool(), mu.dtype)   # once, not per step
         mu_in = torch.cat([mu, torch.zeros_like(mu)], dim=0)
         spks_in = torch.cat([spks, torch.zeros_like(spks)], dim=0)
         cond_in = torch.cat([cond, torch.zeros_like(cond)], dim=0)
         for mod, dt in self._steps(n_timesteps, mu.device, mu.dtype):
-            velocity = self.estimator(torch.cat([x, x], dim=0), mask_in, mu_in, mod, spks_in, cond_in)
+            velocity = self.estimator(torch.cat([x, x], dim=0), key_bias, mu_in, mod, spks_in, cond_in)
             x = fused.guided_euler_step(x, velocity, dt, self.inference_cfg_rate)
         return x
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from backends.token2wav import fused
-from backends.token2wav.engine import Token2WavEngine
+from backends.token2wav.engine import Token2WavEngine, load_flow_checkpoint
 from backends.token2wav.tiny import write_token2wav_dir
 
 
@@ -81,11 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="t2w-profile-")
     write_token2wav_dir(tmp, args.size, seed=0)
     engine = Token2WavEngine.load(tmp, device=device, dtype=args.dtype, compile_fused=bool(args.compile))
-    engine.model_dir = tmp
     voice = engine.prepare_voice(*prompt)
     print(json.dumps({"gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__, "dtype": args.dtype}))
 
-    print(json.dumps({"part": "fused_vs_plain", **fused_vs_plain(engine, voice)}))
+    print(json.dumps({"part": "fused_vs_plain", **fused_vs_plain(engine, voice, tmp)}))
 
     # Warm-up stream, then a measured one: split timings per chunk.
     for run in range(2):
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernel_batch:
         kernel_table(engine, voice, tokens, args.kernel_batch)
     if args.batches:
-        graphed = Token2WavEngine.load(model_dir_for(engine), device=device, dtype=args.dtype, cuda_graphs=True,
+        graphed = Token2WavEngine.load(tmp, device=device, dtype=args.dtype, cuda_graphs=True,
                                        compile_fused=bool(args.compile))
         graphed_voice = graphed.prepare_voice(*prompt)
         for batch in (int(b) for b in args.batches.split(",")):
@@ -142,35 +141,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def fused_vs_plain(engine: Token2WavEngine, voice) -> dict:
-    """One 100-frame chunk over the voice's prompt cache, solved as the engine does (what ``freeze``
-    precomputed; compiled fused kernels if on) and without either: the largest difference, against the
-    output's scale. The first call also times the compilation."""
-    decoder, device = engine.flow.decoder, engine.device
+def fused_vs_plain(engine: Token2WavEngine, voice, model_dir: str) -> dict:
+    """One 100-frame chunk over the voice's prompt cache, solved by the engine's flow (what ``freeze``
+    precomputed; compiled fused kernels if on) and by the same checkpoint loaded plain, run eagerly: the
+    largest difference, against the output's scale. The first call also times the compilation."""
+    device, dtype = engine.device, engine.dtype
     generator = torch.Generator(device="cpu").manual_seed(0)
-    mu, z = (torch.randn(1, 80, 100, generator=generator).to(device, engine.dtype) for _ in range(2))
+    mu, z = (torch.randn(1, 80, 100, generator=generator).to(device, dtype) for _ in range(2))
     cache = voice.prompt_cache
 
-    def solve():
+    def solve(decoder):
         return decoder.forward_chunk(mu, voice.projected_speaker, torch.zeros_like(mu), z, engine.n_timesteps,
                                      cache.estimator_cnn, cache.estimator_att)[0].float()
 
     start = time.perf_counter()
-    fused_out = solve()
+    fused_out = solve(engine.flow.decoder)
     first_ms = (time.perf_counter() - start) * 1e3
-    frozen, fused_qk = decoder._frozen, [block.attn.qk_weight for block in decoder.estimator.blocks]
+    plain_flow = load_flow_checkpoint(model_dir).to(device=device, dtype=dtype).eval()
     compiled = fused.is_compiled()
     fused.use_compiled(False)
-    decoder._frozen = {}
-    for block in decoder.estimator.blocks:
-        block.attn.qk_weight = None
     try:
-        plain = solve()
+        plain = solve(plain_flow.decoder)
     finally:
         fused.use_compiled(compiled)
-        decoder._frozen = frozen
-        for block, weight in zip(decoder.estimator.blocks, fused_qk):
-            block.attn.qk_weight = weight
+    del plain_flow
     return {"compiled": compiled, "first_call_ms": round(first_ms), "max_abs_diff": round(float((fused_out - plain).abs().max()), 5),
             "max_abs": round(float(plain.abs().max()), 3), "finite": bool(torch.isfinite(fused_out).all())}
 
@@ -203,10 +197,6 @@ def kernel_table(engine: Token2WavEngine, voice, tokens: list[int], batch: int) 
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]:
         print(json.dumps({"kernel": e.key[:110], "count": e.count, "ms": round(e.self_device_time_total / 1e3, 2),
                           "share": round(e.self_device_time_total / 1e3 / total, 3)}))
-
-
-def model_dir_for(engine: Token2WavEngine) -> str:
-    return engine.model_dir
 
 
 def batched_rounds(engine: Token2WavEngine, voice, tokens: list[int], batch: int, eager: bool) -> dict:
