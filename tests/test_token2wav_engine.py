@@ -490,6 +490,79 @@ def test_feed_batch_runs_first_chunks_first_and_at_most_max_batch_rows(engine, v
         engine.max_batch_rows = saved
 
 
+class _Clock:
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _started(engine, voice, seed: int):
+    state = engine.start_stream(voice, seed=seed)
+    engine.feed(state, _tokens(18, seed), final=False)
+    return state
+
+
+def test_feed_batch_tracks_each_listeners_playback(engine, voice):
+    """played_until follows the bench's listener: real-time playback from the first audio, a stall
+    restarting it from the audio that ended it."""
+    clock = _Clock(100.0)
+    state = engine.start_stream(voice, seed=3)
+    batch = engine.feed_batch(lambda key, result: outs.append(result), clock=clock)
+    outs: list[np.ndarray] = []
+    batch.add(0, state, _tokens(18, 3), False)
+    while batch.step():
+        pass
+    first = outs[0].size / 24000
+    assert first > 0 and state.played_until == pytest.approx(100.0 + first)
+    clock.now = 100.1                      # audio left: the next chunk queues behind it
+    batch.add(1, state, _tokens(25, 4), False)
+    while batch.step():
+        pass
+    assert state.played_until == pytest.approx(100.0 + first + outs[1].size / 24000)
+    clock.now = 200.0                      # a stall: playback resumes at this chunk's arrival
+    batch.add(2, state, _tokens(25, 5), False)
+    while batch.step():
+        pass
+    assert state.played_until == pytest.approx(200.0 + outs[2].size / 24000)
+
+
+def test_feed_batch_serves_the_listener_about_to_run_dry_first(engine, voice):
+    """Earliest deadline first: of two started streams, the one whose audio runs out sooner goes first,
+    whatever the arrival order, and its chunk size picks the call (the other size waits)."""
+    clock = _Clock(100.0)
+    relaxed, pressed = _started(engine, voice, 11), _started(engine, voice, 12)
+    relaxed.played_until, pressed.played_until = 105.0, 100.2
+    done: list[int] = []
+    batch = engine.feed_batch(lambda key, result: done.append(key), clock=clock)
+    batch.add(0, relaxed, _tokens(25, 13), False)    # arrives first, one size ...
+    batch.add(1, pressed, _tokens(50, 14), False)    # ... runs out first, another size
+    assert batch.step() and done == [1]
+    assert not batch.step() and done == [1, 0]
+
+
+def test_feed_batch_keeps_calls_small_while_every_listener_has_audio(engine, voice):
+    """While the most urgent stream has calm_slack_s of audio left, a call takes calm_batch_rows streams
+    (a first chunk arriving meanwhile waits for a shorter call); once one runs short, max_batch_rows."""
+    clock = _Clock(100.0)
+    states = [_started(engine, voice, 20 + i) for i in range(5)]
+    saved = engine.max_batch_rows, engine.calm_batch_rows, engine.calm_slack_s
+    engine.max_batch_rows, engine.calm_batch_rows, engine.calm_slack_s = 4, 2, 1.0
+    try:
+        for i, state in enumerate(states):
+            state.played_until = 103.0 + 0.1 * i  # seconds of audio everywhere
+        done: list[int] = []
+        batch = engine.feed_batch(lambda key, result: done.append(key), clock=clock)
+        for i, state in enumerate(states):
+            batch.add(i, state, _tokens(25, 30 + i), False)
+        assert batch.step() and done == [0, 1]            # calm: 2 rows, the most urgent
+        clock.now = 102.5                                 # stream 2 has 0.7 s left: urgent
+        assert not batch.step() and done == [0, 1, 2, 3, 4]   # up to 4 rows: all three left
+    finally:
+        engine.max_batch_rows, engine.calm_batch_rows, engine.calm_slack_s = saved
+
+
 def test_compile_switch_never_compiles_cpu_work(model_dir, monkeypatch):
     """compile_fused is for CUDA tensors only: a CPU engine leaves the switch off, and even with the
     switch on, CPU tensors run the eager functions (a CPU box may have no compiler for inductor)."""

@@ -29,6 +29,8 @@ same frame noise as a stream with the same seed.
 from __future__ import annotations
 
 import functools
+import math
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,6 +161,7 @@ class StreamState:
     hift_speech: Optional[torch.Tensor] = None          # (1, <=3840) held-back samples for the cross-fade
     tokens_fed: int = 0
     samples_out: int = 0
+    played_until: Optional[float] = None               # when a listener's audio so far runs out (FeedBatch's clock)
 
 
 def load_flow_checkpoint(model_dir: Union[str, Path]) -> CausalMaskedDiffWithXvec:
@@ -175,12 +178,16 @@ class Token2WavEngine:
     def __init__(self, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator, device: Union[str, torch.device] = "cpu",
                  dtype: Union[str, torch.dtype] = "float32", n_timesteps: int = N_TIMESTEPS, cuda_graphs: bool = False,
                  graph_mib: int = 16384, chunk_quantum: int = CHUNK_QUANTUM_TOKENS,
-                 max_chunk_tokens: int = MAX_CHUNK_TOKENS, max_batch_rows: int = 16, compile_fused: bool = False):
+                 max_chunk_tokens: int = MAX_CHUNK_TOKENS, max_batch_rows: int = 16, compile_fused: bool = False,
+                 calm_batch_rows: int = 4, calm_slack_s: float = 1.0):
         if not 1 <= chunk_quantum <= max_chunk_tokens:
             raise ValueError(f"need 1 <= chunk_quantum ({chunk_quantum}) <= max_chunk_tokens ({max_chunk_tokens})")
         self.chunk_quantum = chunk_quantum
         self.max_chunk_tokens = max_chunk_tokens
         self.max_batch_rows = max_batch_rows   # streams per engine call at most (FeedBatch.step)
+        # Streams per call while the most urgent of them still has calm_slack_s of audio to play (FeedBatch.step).
+        self.calm_batch_rows = calm_batch_rows
+        self.calm_slack_s = calm_slack_s
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.flow = flow.to(device=self.device, dtype=self.dtype).eval()
@@ -358,10 +365,12 @@ class Token2WavEngine:
             pass
         return results  # type: ignore[return-value]
 
-    def feed_batch(self, on_result: Callable[[Hashable, Union[np.ndarray, Exception]], None]) -> "FeedBatch":
+    def feed_batch(self, on_result: Callable[[Hashable, Union[np.ndarray, Exception]], None],
+                   clock: Callable[[], float] = time.monotonic) -> "FeedBatch":
         """An open batch: feeds added at any time, run one batched engine call per ``step`` (a server's
-        worker thread adds the requests that arrived between two steps)."""
-        return FeedBatch(self, on_result)
+        worker thread adds the requests that arrived between two steps). ``clock`` times the listeners'
+        playback, which decides the order of the calls."""
+        return FeedBatch(self, on_result, clock)
 
     @torch.inference_mode()
     def warm_up(self, voice: VoiceConditioning, max_rows: int = 16) -> int:
@@ -618,16 +627,25 @@ class FeedBatch:
     last chunks count as one size: they are padded to one). ``on_result(key, pcm or exception)`` is
     called once per added feed, as soon as its last chunk is done.
 
-    Which batch runs next: first chunks whenever any wait (first audio is what a listener waits for,
-    and a first chunk is short), otherwise the batch of the feed that was added earliest. Streams
-    that started are thus served in arrival order, and one long chunk cannot make everyone else's
-    first audio wait for a whole round of other work.
+    Which batch runs next:
+    - First chunks whenever any wait, oldest first: first audio is what a listener waits for, and a
+      first chunk is short.
+    - Otherwise, earliest deadline first. A stream's deadline is when a listener who started playing
+      at its first audio, in real time, runs out of the audio it got (``StreamState.played_until``,
+      the bench's playback model). A stream with seconds of audio buffered waits for one about to
+      stall, instead of arrival order deciding.
+    - How many streams: up to ``max_batch_rows``; but while even the most urgent of the chosen streams
+      has ``calm_slack_s`` of audio left, at most ``calm_batch_rows``. A first chunk that arrives
+      meanwhile waits for the call in flight, and a call of 16 streams' 100-token chunks takes ~140 ms
+      on an H100, one of 4 streams ~45 ms. Calls grow again as soon as anyone's audio runs short.
     """
 
     def __init__(self, engine: Token2WavEngine,
-                 on_result: Callable[[Hashable, Union[np.ndarray, Exception]], None]) -> None:
+                 on_result: Callable[[Hashable, Union[np.ndarray, Exception]], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._engine = engine
         self._on_result = on_result
+        self._clock = clock
         # Feeds with chunks to run, in arrival order (dicts keep insertion order); a feed leaves when settled.
         self._feeds: dict[Hashable, _Feed] = {}
 
@@ -673,13 +691,18 @@ class FeedBatch:
         firsts = [key for key, feed in self._feeds.items()
                   if not feed.state.started and feed.batch_key == (FIRST_CHUNK_TOKENS, False)]
         if firsts:
-            members = firsts
+            members, rows = firsts, engine.max_batch_rows
         else:
-            chosen = next(iter(self._feeds.values())).batch_key   # the oldest feed's
-            members = [key for key, feed in self._feeds.items() if feed.batch_key == chosen]
-        # The oldest first (arrival order), at most max_batch_rows: a call's memory grows with its rows
-        # (~0.26 GB of attention cache per stream at the published size), and its graphs exist up to that size.
-        members = members[:engine.max_batch_rows]
+            # sorted() is stable: equal deadlines keep arrival order
+            urgent = sorted(self._feeds, key=lambda key: _deadline(self._feeds[key].state))
+            chosen = self._feeds[urgent[0]].batch_key
+            members = [key for key in urgent if self._feeds[key].batch_key == chosen]
+            slack = _deadline(self._feeds[members[0]].state) - self._clock()
+            rows = engine.max_batch_rows if slack < engine.calm_slack_s else min(engine.calm_batch_rows,
+                                                                                 engine.max_batch_rows)
+        # At most max_batch_rows: a call's memory grows with its rows (~0.26 GB of attention cache per
+        # stream at the published size), and its graphs exist up to that size.
+        members = members[:max(rows, 1)]
         feeds = [self._feeds[key] for key in members]
         states = [feed.state for feed in feeds]
         last = feeds[0].plan[0][1]
@@ -709,11 +732,30 @@ class FeedBatch:
             feeds = [self._feeds[k] for k in keys]
             pcms = [f.pieces[0] if len(f.pieces) == 1 else torch.cat(f.pieces) for f in feeds]
             outputs: list = self._engine._emit_many([f.state for f in feeds], pcms)
+            now = self._clock()
+            for feed, output in zip(feeds, outputs):
+                _played(feed.state, now, len(output) / self._engine.sample_rate)
         else:
             outputs = [failure] * len(keys)
         for key, output in zip(keys, outputs):
             self._feeds.pop(key, None)
             self._on_result(key, output)
+
+
+def _deadline(state: StreamState) -> float:
+    """When the stream's listener runs out of audio; a stream with none yet is due now (-inf)."""
+    return -math.inf if state.played_until is None else state.played_until
+
+
+def _played(state: StreamState, now: float, seconds: float) -> None:
+    """Advance a listener who plays in real time from the first audio, and after a stall resumes with
+    the audio that ended it (``backends.bench.metrics.playback``), by ``seconds`` delivered at ``now``."""
+    if seconds <= 0:
+        return
+    if state.played_until is None or now > state.played_until:
+        state.played_until = now + seconds
+    else:
+        state.played_until += seconds
 
 
 def _stack(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:

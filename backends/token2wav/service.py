@@ -100,6 +100,12 @@ class ServiceConfig:
     compile_fused: int = 1
     """1: on a CUDA device, compile the DiT's elementwise groups into fused kernels (torch.compile, at
     the first solves: the warm-up); 0: run them as separate eager kernels."""
+    calm_batch_rows: int = 4
+    """Streams per engine call while every stream in it has ``calm_slack_ms`` of audio still to play
+    (smaller calls finish sooner, so a new stream's first chunk waits less); otherwise up to the
+    model's max_batch_size."""
+    calm_slack_ms: int = 1000
+    """Audio a listener must still have buffered for its stream's chunk to count as calm."""
     warmup_prompt_tokens: int = 0
     """>0: at start, capture the CUDA graphs of every canonical chunk shape for voices with prompts of
     about this many tokens (the presets: 150), at batches up to the model's max_batch_size (0: off)."""

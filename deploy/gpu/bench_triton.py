@@ -24,6 +24,7 @@ from pathlib import Path
 
 from backends.llm.replayer import replayer_process
 from backends.llm.vllm_launcher import free_port
+from backends.token2wav.service import parameter_env
 from deploy.gpu.triton_gpu import probe, start_gpu_triton
 
 
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/t2w"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--configs", default="graphs,eager")
+    parser.add_argument("--configs", default="graphs,eager",
+                        help="graphs or eager, each optionally with model parameters: graphs:calm_batch_rows=16:...")
     parser.add_argument("--modes", default="token2wav,pipeline")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--tokens", default="250", help="speech tokens per request in token2wav mode")
@@ -64,12 +66,14 @@ def main(argv: list[str] | None = None) -> int:
 
     env = {**os.environ, "TTS_TEXT_NORMALIZATION": "false", "TTS_LOG_FORMAT": "text"}
     with replayer_process(free_port(), "--prefill-ms", "20", "--token-ms", "5") as llm_url:
-        for config in args.configs.split(","):
+        for spec in args.configs.split(","):
+            config, overrides = config_spec(spec)
             server = start_gpu_triton(args.work / config, model_dir, args.dtype, max_batch_size=args.max_batch,
                                       queue_delay_us=args.queue_delay_us, instances=args.instances,
-                                      extra_env={"TOKEN2WAV_CUDA_GRAPHS": "1" if config == "graphs" else "0",
-                                                 "TOKEN2WAV_GRAPH_MIB": str(args.graph_mib),
-                                                 "TOKEN2WAV_WARMUP_PROMPT_TOKENS": str(args.warmup_prompt_tokens)})
+                                      extra_env=parameter_env(cuda_graphs=int(spec.startswith("graphs")),
+                                                              graph_mib=args.graph_mib,
+                                                              warmup_prompt_tokens=args.warmup_prompt_tokens,
+                                                              **overrides))
             try:
                 # One utterance first: a server that cannot stream at all fails here, with its log.
                 try:
@@ -94,12 +98,22 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / f"{config}-triton.log").write_text(server.log_text()[-2_000_000:])
         for mode in args.modes.split(","):
-            runs = [str(args.out / f"{c}-{mode}" / "results.json") for c in args.configs.split(",")]
+            runs = [str(args.out / f"{config_spec(c)[0]}-{mode}" / "results.json") for c in args.configs.split(",")]
             runs = [r for r in runs if Path(r).exists()]
             if len(runs) > 1:
                 subprocess.run([sys.executable, "-m", "backends.bench", "plot", *runs,
                                 "--out", str(args.out / f"compare-{mode}.png")], env=env, check=False)
     return 0
+
+
+def config_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``graphs:calm_batch_rows=16:calm_slack_ms=0`` -> (a name fit for a folder, the parameter overrides)."""
+    base, *pairs = spec.split(":")
+    if base not in ("graphs", "eager"):
+        raise SystemExit(f"config {spec!r}: must start with graphs or eager")
+    overrides = dict(pair.split("=", 1) for pair in pairs)
+    name = "_".join([base, *(f"{key}-{value}" for key, value in overrides.items())])
+    return name, overrides
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ class TritonPythonModel:
                                       graph_mib=self.config.graph_mib, compile_fused=bool(self.config.compile_fused))
         # Streams per engine call: as many as Triton batches per execute (the worker may hold more).
         engine.max_batch_rows = max(1, int(model_config.get("max_batch_size", 1)))
+        engine.calm_batch_rows = max(1, self.config.calm_batch_rows)
+        engine.calm_slack_s = self.config.calm_slack_ms / 1000
         self.service = Token2WavService(engine, self.config)
         warmed = self.service.warm_up(max_rows=engine.max_batch_rows)
         if warmed:
