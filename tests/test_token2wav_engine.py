@@ -329,8 +329,16 @@ def test_feed_many_batches_equal_chunks_and_matches_solo_streams(engine, voice, 
     streams = [(voice, _tokens(100, 1), sizes_a, 11), (voice, _tokens(100, 2), sizes_a, 12),
                (voice, _tokens(100, 4), sizes_a, 14), (other_voice, _tokens(59, 3), sizes_c, 13)]
     solo = [_solo(engine, v, t, s, seed) for v, t, s, seed in streams]   # exact shapes, no padding
+    encoder_rows: list[int] = []
     if padded:
         request.getfixturevalue("padded_batches")
+        graphed_encode = engine.encode
+
+        def encode(embedded, *rest):
+            encoder_rows.append(embedded.shape[0])
+            return graphed_encode(embedded, *rest)
+
+        engine.encode = encode   # the fixture restores it
     states = [engine.start_stream(v, seed=seed) for v, _, _, seed in streams]
     outputs: list[list[np.ndarray]] = [[] for _ in streams]
     offsets = [0] * len(streams)
@@ -350,6 +358,8 @@ def test_feed_many_batches_equal_chunks_and_matches_solo_streams(engine, voice, 
         joined = np.concatenate(outputs[k])
         assert joined.size == len(streams[k][1]) * SAMPLES_PER_TOKEN
         np.testing.assert_allclose(joined, solo[k], atol=1e-4)  # batched GEMMs round differently
+    if padded:  # the group of three ran the encoder as four rows, the lone stream as one
+        assert 4 in encoder_rows and set(encoder_rows) <= {1, 2, 4}
 
 
 def test_feed_many_reports_errors_per_stream(engine, voice):
@@ -543,12 +553,13 @@ def test_feed_batch_serves_the_listener_about_to_run_dry_first(engine, voice):
 
 
 def test_feed_batch_keeps_calls_small_while_every_listener_has_audio(engine, voice):
-    """While the most urgent stream has calm_slack_s of audio left, a call takes calm_batch_rows streams
-    (a first chunk arriving meanwhile waits for a shorter call); once one runs short, max_batch_rows."""
+    """While the most urgent stream has calm_slack_s of audio left and no backlog waits, a call takes
+    calm_batch_rows streams (a first chunk arriving meanwhile waits for a shorter call); once one runs
+    short, or more feeds wait than one full call takes, max_batch_rows."""
     clock = _Clock(100.0)
     states = [_started(engine, voice, 20 + i) for i in range(5)]
     saved = engine.max_batch_rows, engine.calm_batch_rows, engine.calm_slack_s
-    engine.max_batch_rows, engine.calm_batch_rows, engine.calm_slack_s = 4, 2, 1.0
+    engine.max_batch_rows, engine.calm_batch_rows, engine.calm_slack_s = 5, 2, 1.0
     try:
         for i, state in enumerate(states):
             state.played_until = 103.0 + 0.1 * i  # seconds of audio everywhere
@@ -558,9 +569,48 @@ def test_feed_batch_keeps_calls_small_while_every_listener_has_audio(engine, voi
             batch.add(i, state, _tokens(25, 30 + i), False)
         assert batch.step() and done == [0, 1]            # calm: 2 rows, the most urgent
         clock.now = 102.5                                 # stream 2 has 0.7 s left: urgent
-        assert not batch.step() and done == [0, 1, 2, 3, 4]   # up to 4 rows: all three left
+        assert not batch.step() and done == [0, 1, 2, 3, 4]   # up to 5 rows: all three left
+        # A backlog (more feeds than one full call takes) ends calm calls too, however much audio is left.
+        states.append(_started(engine, voice, 26))
+        for i, state in enumerate(states):
+            state.played_until = 110.0
+            batch.add(10 + i, state, _tokens(25, 40 + i), False)
+        assert batch.step() and done[5:] == [10, 11, 12, 13, 14]
     finally:
         engine.max_batch_rows, engine.calm_batch_rows, engine.calm_slack_s = saved
+
+
+def test_on_call_reports_every_engine_call(engine, voice):
+    """The call trace: one record per call, with its size, kind, waits and the listeners' slack."""
+    clock = _Clock(100.0)
+    records = []
+    engine.on_call = records.append
+    try:
+        state = engine.start_stream(voice, seed=40)
+        outs: list[np.ndarray] = []
+
+        def answer(key, result) -> None:   # sending an answer takes 30 ms of the batch's clock
+            outs.append(result)
+            clock.now += 0.03
+
+        batch = engine.feed_batch(answer, clock=clock)
+        batch.add(0, state, _tokens(18, 40), False)
+        clock.now = 100.25                     # the feed waited 250 ms before its call
+        batch.step()
+        batch.add(1, state, _tokens(60, 41), True)   # 15 + 60 tokens: a 50-token chunk, then the last one
+        while batch.step():
+            pass
+    finally:
+        engine.on_call = None
+    first, middle, last = records
+    assert (first.first, first.rows, first.tokens, first.settled, first.slack_s) == (True, 1, 15, 1, -np.inf)
+    assert first.waited_s == pytest.approx(0.25)
+    assert first.reply_s == pytest.approx(0.03) and first.seconds >= first.reply_s
+    assert middle.reply_s == 0 and (first.captured, first.eager) == (0, 0)   # no answer; no graphs on a CPU
+    assert (middle.first, middle.last, middle.tokens, middle.settled) == (False, False, 50, 0)
+    assert middle.slack_s == pytest.approx(outs[0].size / 24000 - 0.03)   # the first chunk's audio, less 30 ms
+    assert (last.last, last.settled) == (True, 1)
+    assert "rows=1" in last.line() and "last" in last.line()
 
 
 def test_compile_switch_never_compiles_cpu_work(model_dir, monkeypatch):

@@ -28,6 +28,7 @@ same frame noise as a stream with the same seed.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -188,6 +189,7 @@ class Token2WavEngine:
         # Streams per call while the most urgent of them still has calm_slack_s of audio to play (FeedBatch.step).
         self.calm_batch_rows = calm_batch_rows
         self.calm_slack_s = calm_slack_s
+        self.on_call: Optional[Callable[[CallRecord], None]] = None   # called after every FeedBatch call
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.flow = flow.to(device=self.device, dtype=self.dtype).eval()
@@ -399,6 +401,13 @@ class Token2WavEngine:
             rows *= 2
         return calls
 
+    def graph_totals(self) -> tuple[int, int]:
+        """(CUDA graphs held, eager runs of graphed parts so far) over the solve, the encoder and HiFT:
+        a call that raised either ran a shape no graph had (without CUDA graphs: (0, 0))."""
+        parts = [self.graphed_solve, self.encode, self.hift._graphed_decode]
+        parts = [part for part in parts if hasattr(part, "eager_runs")]
+        return sum(part.num_graphs for part in parts), sum(part.eager_runs for part in parts)
+
     def state_nbytes(self, state: StreamState) -> int:
         """Approximate bytes held by this stream alone (the shared voice is not counted)."""
         held = 0
@@ -468,9 +477,16 @@ class Token2WavEngine:
         for members in by_shape.values():
             caches = [states[i].flow_cache for i in members]
             token_tensor = torch.tensor([tokens[i] for i in members], dtype=torch.long, device=self.device)
-            mu, cnn, att = self.encode(
-                flow.input_embedding(token_tensor), _stack([c.conformer_cnn for c in caches], 0),
-                _stack([c.conformer_att for c in caches], 1), last_chunk)
+            embedded = flow.input_embedding(token_tensor)
+            cnn_cache = _stack([c.conformer_cnn for c in caches], 0)
+            att_cache = _stack([c.conformer_att for c in caches], 1)
+            if self.graphed_solve is not None:
+                # Groups come in every size (streams at one point of the schedule): padded to a power of
+                # two with zero rows, a few graphs serve them all (an odd size ran eagerly or paid a capture).
+                group_rows = 1 << (len(members) - 1).bit_length()
+                embedded, cnn_cache = _pad_rows(embedded, 0, group_rows), _pad_rows(cnn_cache, 0, group_rows)
+                att_cache = _pad_rows(att_cache, 1, group_rows)
+            mu, cnn, att = self.encode(embedded, cnn_cache, att_cache, last_chunk)
             # Copied out now: with CUDA graphs these are static buffers that the next encode overwrites.
             for row, i in enumerate(members):
                 mus[i] = mu[row:row + 1].clone()
@@ -485,8 +501,7 @@ class Token2WavEngine:
         noise = torch.cat([F.pad(z, (0, frames - z.shape[2])) for z in noises]).to(self.device, self.dtype)
         spks = _stack([s.voice.projected_speaker for s in states], 0)
         rows = batch if self.graphed_solve is None else 1 << (batch - 1).bit_length()
-        if rows > batch:
-            mu, noise, spks = (torch.cat([t, t.new_zeros(rows - batch, *t.shape[1:])]) for t in (mu, noise, spks))
+        mu, noise, spks = (_pad_rows(t, 0, rows) for t in (mu, noise, spks))
         cnn_cache, att_cache, key_mask = self._estimator_batch(states, rows, lengths, frames)
         mel, estimator_cnn, estimator_att = self.solve(
             mu, spks, torch.zeros_like(mu), noise, self.n_timesteps, cnn_cache, att_cache, key_mask)
@@ -606,6 +621,40 @@ class Token2WavEngine:
         state.hift_mel = state.hift_source = state.hift_speech = None
 
 
+@dataclass(frozen=True)
+class CallRecord:
+    """One engine call of a FeedBatch, for ``Token2WavEngine.on_call`` (the server's call trace).
+
+    Times are the batch's clock, in seconds. ``slack_s``: the least audio any member's listener still
+    had when the call started (negative: already stalled; -inf: no audio yet). ``waited_s``: the longest
+    a member's feed had waited since it was added. ``seconds`` ends at the call's last host copy, so it
+    is GPU time only when some feed ``settled`` (returned its audio) in this call."""
+
+    started: float
+    rows: int
+    tokens: int
+    last: bool
+    first: bool
+    queued: int
+    slack_s: float
+    waited_s: float
+    seconds: float = 0.0
+    settled: int = 0
+    reply_s: float = 0.0
+    """Of ``seconds``, the time spent in ``on_result`` (the server sending the answers)."""
+    captured: int = 0
+    """CUDA graphs captured during the call."""
+    eager: int = 0
+    """Graphed parts (solve, encoder groups, HiFT groups) that ran eagerly: shapes without a graph."""
+
+    def line(self) -> str:
+        kind = "first" if self.first else "last" if self.last else f"{self.tokens}"
+        return (f"call t={self.started:.3f} {kind} rows={self.rows} queued={self.queued} "
+                f"ms={1000 * self.seconds:.1f} reply_ms={1000 * self.reply_s:.1f} settled={self.settled} "
+                f"slack_ms={1000 * self.slack_s:.0f} waited_ms={1000 * self.waited_s:.0f} "
+                f"captured={self.captured} eager={self.eager}")
+
+
 @dataclass
 class _Feed:
     """One feed in a FeedBatch: its stream, the chunks still to run, the PCM of those that ran."""
@@ -613,6 +662,7 @@ class _Feed:
     state: StreamState
     plan: list[tuple[int, bool]]
     pieces: list[torch.Tensor] = field(default_factory=list)
+    added_at: float = 0.0
 
     @property
     def batch_key(self) -> tuple[int, bool]:
@@ -635,9 +685,11 @@ class FeedBatch:
       the bench's playback model). A stream with seconds of audio buffered waits for one about to
       stall, instead of arrival order deciding.
     - How many streams: up to ``max_batch_rows``; but while even the most urgent of the chosen streams
-      has ``calm_slack_s`` of audio left, at most ``calm_batch_rows``. A first chunk that arrives
-      meanwhile waits for the call in flight, and a call of 16 streams' 100-token chunks takes ~140 ms
-      on an H100, one of 4 streams ~45 ms. Calls grow again as soon as anyone's audio runs short.
+      has ``calm_slack_s`` of audio left and no backlog waits (all the feeds in progress would fit one
+      full call), at most ``calm_batch_rows``. A first chunk that arrives meanwhile waits for the call
+      in flight, and a call of 16 streams' 100-token chunks takes ~140 ms on an H100, one of 4 streams
+      ~45 ms. Calls grow again as soon as anyone's audio runs short or work piles up (measured at 64
+      streams: small calls with 50 feeds waiting let the queue grow to seconds).
     """
 
     def __init__(self, engine: Token2WavEngine,
@@ -646,6 +698,7 @@ class FeedBatch:
         self._engine = engine
         self._on_result = on_result
         self._clock = clock
+        self._reply_s = 0.0   # time in on_result during the current step (CallRecord.reply_s)
         # Feeds with chunks to run, in arrival order (dicts keep insertion order); a feed leaves when settled.
         self._feeds: dict[Hashable, _Feed] = {}
 
@@ -670,7 +723,7 @@ class FeedBatch:
             state.finished = bool(final)
             if final and not state.pending:  # nothing left to synthesise: release the held-back tail
                 tail = state.hift_speech[0] if state.hift_speech is not None else torch.zeros(0, device=engine.device)
-                self._feeds[key] = _Feed(state, [], [tail])
+                self._feeds[key] = _Feed(state, [], [tail], self._clock())
                 engine._release(state)
                 self._settle([key])
                 return
@@ -678,7 +731,7 @@ class FeedBatch:
             if not plan:
                 self._on_result(key, np.zeros(0, dtype=np.float32))
                 return
-            self._feeds[key] = _Feed(state, plan)
+            self._feeds[key] = _Feed(state, plan, added_at=self._clock())
         except Exception as exc:  # noqa: BLE001 - reported per feed
             self._settle([key], exc)
 
@@ -698,14 +751,21 @@ class FeedBatch:
             chosen = self._feeds[urgent[0]].batch_key
             members = [key for key in urgent if self._feeds[key].batch_key == chosen]
             slack = _deadline(self._feeds[members[0]].state) - self._clock()
-            rows = engine.max_batch_rows if slack < engine.calm_slack_s else min(engine.calm_batch_rows,
-                                                                                 engine.max_batch_rows)
+            calm = slack >= engine.calm_slack_s and len(self._feeds) <= engine.max_batch_rows
+            rows = min(engine.calm_batch_rows, engine.max_batch_rows) if calm else engine.max_batch_rows
         # At most max_batch_rows: a call's memory grows with its rows (~0.26 GB of attention cache per
         # stream at the published size), and its graphs exist up to that size.
         members = members[:max(rows, 1)]
         feeds = [self._feeds[key] for key in members]
         states = [feed.state for feed in feeds]
         last = feeds[0].plan[0][1]
+        graphs, eager = engine.graph_totals()
+        self._reply_s = 0.0
+        started = self._clock()
+        record = CallRecord(started=started, rows=len(feeds), tokens=feeds[0].plan[0][0], last=last,
+                            first=not states[0].started, queued=len(self._feeds),
+                            slack_s=min(_deadline(s) for s in states) - started,
+                            waited_s=max(started - f.added_at for f in feeds))
         try:
             chunks = [feed.plan[0][0] for feed in feeds]
             mels = engine._flow_chunks(
@@ -720,9 +780,16 @@ class FeedBatch:
             if last:
                 for state in states:
                     engine._release(state)
-            self._settle([key for key, feed in zip(members, feeds) if not feed.plan])
+            settled = [key for key, feed in zip(members, feeds) if not feed.plan]
+            self._settle(settled)
         except Exception as exc:  # noqa: BLE001 - the whole batch failed: every member's stream is unusable
             self._settle([key for key in members if key in self._feeds], exc)
+            settled = []
+        if engine.on_call is not None:
+            graphs_after, eager_after = engine.graph_totals()
+            engine.on_call(dataclasses.replace(record, seconds=self._clock() - started, settled=len(settled),
+                                               reply_s=self._reply_s, captured=graphs_after - graphs,
+                                               eager=eager_after - eager))
         return self.pending
 
     def _settle(self, keys: list[Hashable], failure: Optional[Exception] = None) -> None:
@@ -737,9 +804,11 @@ class FeedBatch:
                 _played(feed.state, now, len(output) / self._engine.sample_rate)
         else:
             outputs = [failure] * len(keys)
+        replying = self._clock()
         for key, output in zip(keys, outputs):
             self._feeds.pop(key, None)
             self._on_result(key, output)
+        self._reply_s += self._clock() - replying
 
 
 def _deadline(state: StreamState) -> float:
@@ -756,6 +825,16 @@ def _played(state: StreamState, now: float, seconds: float) -> None:
         state.played_until = now + seconds
     else:
         state.played_until += seconds
+
+
+def _pad_rows(batch: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """``batch`` with zero rows appended along ``dim`` up to ``rows``."""
+    missing = rows - batch.shape[dim]
+    if missing <= 0:
+        return batch
+    shape = list(batch.shape)
+    shape[dim] = missing
+    return torch.cat([batch, batch.new_zeros(shape)], dim=dim)
 
 
 def _stack(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:

@@ -42,6 +42,10 @@ class GraphedDecode:
     def graph_bytes(self) -> int:
         return self._graphed.graph_bytes
 
+    @property
+    def eager_runs(self) -> int:
+        return self._graphed.eager_runs
+
     def __call__(self, mel: Tensor, source: Tensor) -> Tensor:
         if not mel.is_cuda:
             return self._decode(mel, source)

@@ -106,6 +106,9 @@ class ServiceConfig:
     model's max_batch_size."""
     calm_slack_ms: int = 1000
     """Audio a listener must still have buffered for its stream's chunk to count as calm."""
+    trace_calls: int = 0
+    """1: log one line per engine call (rows, chunk size, how long, how long its streams waited, the
+    least audio their listeners had left) to the server's stderr: what a scheduling question needs."""
     warmup_prompt_tokens: int = 0
     """>0: at start, capture the CUDA graphs of every canonical chunk shape for voices with prompts of
     about this many tokens (the presets: 150), at batches up to the model's max_batch_size (0: off)."""

@@ -8,6 +8,7 @@ The stub must run in the project's virtualenv (numpy<2): ``backends.serving.trit
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -56,6 +57,8 @@ class TritonPythonModel:
         engine.max_batch_rows = max(1, int(model_config.get("max_batch_size", 1)))
         engine.calm_batch_rows = max(1, self.config.calm_batch_rows)
         engine.calm_slack_s = self.config.calm_slack_ms / 1000
+        if self.config.trace_calls:  # stderr: the worker thread must not wait on Triton's log channel
+            engine.on_call = lambda record: print("token2wav " + record.line(), file=sys.stderr, flush=True)
         self.service = Token2WavService(engine, self.config)
         warmed = self.service.warm_up(max_rows=engine.max_batch_rows)
         if warmed:
