@@ -469,15 +469,76 @@ def test_warm_up_runs_every_canonical_shape_only_with_cuda_graphs(engine, voice,
         shapes.append((mu.shape[0], mu.shape[2]))
         return solve(mu, *rest)
 
-    engine.solve = recording_solve
+    encoded: list[tuple] = []
+    encode, vocode = engine.encode, engine.hift.inference
+    vocoded: list[tuple] = []
+
+    def recording_encode(embedded, cnn, att, last):
+        encoded.append((embedded.shape[0], embedded.shape[1], att.shape[3], last))
+        return encode(embedded, cnn, att, last)
+
+    def recording_vocode(mel, source, *rest, capture=True, **kw):
+        vocoded.append((mel.shape[0], mel.shape[2], capture))
+        return vocode(mel, source, *rest, capture=capture, **kw)
+
+    engine.solve, engine.encode, engine.hift.inference = recording_solve, recording_encode, recording_vocode
     try:
         calls = engine.warm_up(voice, max_rows=4)
     finally:
-        engine.solve = solve
+        engine.solve, engine.encode = solve, encode
+        del engine.hift.inference   # the instance attribute; the class's method is back
     assert calls == 3 * 2 * 6   # batches 1, 2, 4; twice; 18, 25, 50, 75, 100 tokens and the last chunk
     frames = {30, 50, 100, 150, 200, engine.last_chunk_frames}
     assert {(rows, f): shapes.count((rows, f)) for rows in (1, 2, 4) for f in frames} == \
         {(rows, f): 2 for rows in (1, 2, 4) for f in frames}
+    # The encoder at every cache length a stream meets and every whole chunk size; last chunks of every
+    # length at 1 and 2 rows, encoder and HiFT (each at least twice: captured at the second sighting).
+    lengths = engine.encoder_cache_lengths(voice.prompt_frames)
+    for rows in (1, 2, 4):
+        for length in lengths:
+            for size in (25, 50, 75, 100):
+                assert encoded.count((rows, size + 3, length, False)) >= 2, (rows, size, length)
+    for rows in (1, 2):
+        for tokens in range(4, 28):
+            assert encoded.count((rows, tokens, lengths[-1], True)) >= 2
+            assert vocoded.count((rows, 8 + 2 * tokens, True)) >= 2
+
+
+def test_last_chunks_never_capture_graphs(engine, voice, padded_batches, monkeypatch):
+    """A last chunk has any length: with CUDA graphs its encoder and HiFT calls replay a warm-up graph
+    or run eagerly, never capture; other chunks may capture."""
+    calls: list[tuple[str, bool]] = []
+    graphed = engine.encode
+    monkeypatch.setattr(graphed, "replay_only", lambda *args: calls.append(("encode", args[-1])) or graphed(*args),
+                        raising=False)
+    vocode = engine.hift.inference
+
+    def recording_vocode(*args, capture=True, **kw):
+        calls.append(("hift", capture))
+        return vocode(*args, capture=capture, **kw)
+
+    monkeypatch.setattr(engine.hift, "inference", recording_vocode)
+    state = engine.start_stream(voice, seed=6)
+    engine.feed(state, _tokens(18, 6), final=False)
+    assert calls == [("hift", True)]                       # a first chunk: capturable
+    engine.feed(state, _tokens(10, 7), final=True)
+    assert calls[1:] == [("encode", True), ("hift", False)]   # the last chunk: replay-only encoder (last=True), no capture
+
+
+def test_encoder_cache_lengths_are_the_ones_streams_reach(engine, voice):
+    """The warm-up's cache lengths: what a stream's conformer cache holds before each later chunk,
+    whichever whole sizes its chunks have."""
+    lengths = engine.encoder_cache_lengths(voice.prompt_frames)
+    assert lengths[-1] == voice.prompt_frames + 100 and lengths == sorted(lengths)
+    seen = set()
+    for sizes in ([25, 50, 100], [50, 25, 75], [100, 100]):
+        state = engine.start_stream(voice, seed=5)
+        engine.feed(state, _tokens(18, 5), final=False)
+        for size in sizes:
+            seen.add(int(state.flow_cache.conformer_att.shape[3]))
+            engine.feed(state, _tokens(size, size), final=False)
+        seen.add(int(state.flow_cache.conformer_att.shape[3]))
+    assert seen == set(lengths)
 
 
 def test_feed_batch_runs_first_chunks_first_and_at_most_max_batch_rows(engine, voice):

@@ -96,12 +96,25 @@ class GraphedCall:
         return len(self._graphs)
 
     def __call__(self, *args: Any) -> Any:
+        return self._call(args, capture=True)
+
+    def replay_only(self, *args: Any) -> Any:
+        """Replay a graph this shape already has, else run eagerly; never captures one.
+
+        For shapes too varied to be worth a graph each (a stream's last chunk has any length): their
+        graphs are captured deliberately (a warm-up), never on a request's time."""
+        return self._call(args, capture=False)
+
+    def _call(self, args: tuple, capture: bool) -> Any:
         tensors = [a for a in args if isinstance(a, Tensor)]
         if not tensors or not tensors[0].is_cuda:
             return self._fn(*args)
         key = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, Tensor) else ("value", a) for a in args)
         with self._lock:
             captured = self._graphs.get(key)
+            if captured is None and not capture:
+                self.eager_runs += 1
+                return self._fn(*args)
             if captured is None:
                 self._seen[key] += 1
                 # What a capture surely adds: input buffers no other graph shares. (Outputs and pool growth

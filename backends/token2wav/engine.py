@@ -222,7 +222,8 @@ class Token2WavEngine:
             self.graphed_solve = GraphedCall(self.solve, max_bytes=graph_mib << 20)
             self.solve = self.graphed_solve
             self.encode = GraphedCall(self._encode, max_bytes=2 << 30)
-            self.hift.enable_cuda_graphs(max_shapes=64)  # batch 1..16 (powers of two) x the canonical chunk sizes
+            # batch 1..16 (powers of two) x the canonical chunk sizes, and 1-2 rows x every last-chunk length
+            self.hift.enable_cuda_graphs(max_shapes=128)
 
     # ---- loading ----
 
@@ -399,7 +400,54 @@ class Token2WavEngine:
                 self.feed_many([(state, tokens[:self.chunk_quantum - 1], True) for state in states])
                 calls += len(sizes) + 1
             rows *= 2
+        self._warm_up_encoder_and_hift(voice, max_rows)
         return calls
+
+    def encoder_cache_lengths(self, prompt_frames: int) -> list[int]:
+        """Conformer cache lengths a stream of this voice reaches before a non-first chunk: after 15
+        tokens, then every 25 more (chunks are multiples of 25), until truncation holds it at
+        prompt + CACHE_RECENT_FRAMES."""
+        limit, consumed, lengths = prompt_frames + CACHE_RECENT_FRAMES, FIRST_CHUNK_TOKENS, []
+        while prompt_frames + consumed * self.flow.up_rate < limit:
+            lengths.append(prompt_frames + consumed * self.flow.up_rate)
+            consumed += self.chunk_quantum
+        return lengths + [limit]
+
+    def _warm_up_encoder_and_hift(self, voice: VoiceConditioning, max_rows: int) -> None:
+        """Capture what the schedule of ``warm_up`` does not reach, calling the graphed parts directly:
+
+        - the encoder at every (conformer cache length, whole chunk size) a stream can meet: a stream
+          whose LLM ran ahead sends 50 or 100 tokens where ``warm_up``'s streams send 25;
+        - a last chunk of every length (1 to 24 tokens + the lookahead) at 1 and 2 rows, encoder and
+          HiFT, with the cache a long stream has: a last chunk never captures on a request's time
+          (``_flow_chunks``), and at most a few streams end at one call with one length.
+        """
+        cnn, att = voice.prompt_cache.conformer_cnn, voice.prompt_cache.conformer_att
+        width = self.flow.input_embedding.embedding_dim
+
+        def encode_twice(rows: int, tokens: int, cache_length: int, last: bool) -> None:
+            att_shape = list(att.shape)
+            att_shape[1], att_shape[3] = rows, cache_length
+            args = (att.new_zeros(rows, tokens, width), cnn.new_zeros(rows, *cnn.shape[1:]),
+                    att.new_zeros(att_shape), last)
+            for _ in range(2):  # captured at the second sighting
+                self.encode(*args)
+
+        lengths = self.encoder_cache_lengths(voice.prompt_frames)
+        rows = 1
+        while rows <= max_rows:
+            for cache_length in lengths:
+                for size in range(self.chunk_quantum, self.max_chunk_tokens + 1, self.chunk_quantum):
+                    encode_twice(rows, size + self.lookahead, cache_length, False)
+            rows *= 2
+        for rows in (1, 2):
+            for tokens in range(1 + self.lookahead, self.chunk_quantum + self.lookahead):
+                encode_twice(rows, tokens, lengths[-1], True)
+                frames = HIFT_CACHE_FRAMES + tokens * self.flow.up_rate
+                mel = torch.zeros(rows, self.mel_channels, frames, device=self.device, dtype=self.dtype)
+                source = torch.zeros(rows, 1, self.hift_cache_samples, device=self.device)
+                for _ in range(2):
+                    self.hift.inference(mel, source, generator=torch.Generator(device=self.device).manual_seed(0))
 
     def graph_totals(self) -> tuple[int, int]:
         """(CUDA graphs held, eager runs of graphed parts so far) over the solve, the encoder and HiFT:
@@ -486,7 +534,10 @@ class Token2WavEngine:
                 group_rows = 1 << (len(members) - 1).bit_length()
                 embedded, cnn_cache = _pad_rows(embedded, 0, group_rows), _pad_rows(cnn_cache, 0, group_rows)
                 att_cache = _pad_rows(att_cache, 1, group_rows)
-            mu, cnn, att = self.encode(embedded, cnn_cache, att_cache, last_chunk)
+            # A last chunk has any length: its graphs come from the warm-up only, never from a capture on
+            # a request's time (measured: 0.5-1 s calls at 64 streams while last-chunk shapes were captured).
+            encode = getattr(self.encode, "replay_only", self.encode) if last_chunk else self.encode
+            mu, cnn, att = encode(embedded, cnn_cache, att_cache, last_chunk)
             # Copied out now: with CUDA graphs these are static buffers that the next encode overwrites.
             for row, i in enumerate(members):
                 mus[i] = mu[row:row + 1].clone()
@@ -583,7 +634,8 @@ class Token2WavEngine:
         cache = None if sources[0] is None else _stack(sources, 0)
         generators = [s.hift_generator for s in states]
         speech, source = self.hift.inference(_stack(mels, 0), cache,
-                                             generator=generators if len(generators) > 1 else generators[0])
+                                             generator=generators if len(generators) > 1 else generators[0],
+                                             capture=not final)   # last chunks: see _flow_chunks
         speech = speech.float()
         pcms = []
         for row, state in enumerate(states):

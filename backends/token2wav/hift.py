@@ -378,6 +378,7 @@ class HiFTGenerator(nn.Module):
         speech_feat: Tensor,
         cache_source: Tensor | None = None,
         generator: Generators = None,
+        capture: bool = True,
     ) -> tuple[Tensor, Tensor]:
         """mel [B, 80, T] -> (wav [B, T*480] float32, excitation [B, 1, T*480] float32).
 
@@ -385,6 +386,7 @@ class HiFTGenerator(nn.Module):
         samples of this call's excitation so the harmonic phase stays continuous across chunks (the
         caller re-feeds the matching mel frames in front of the new chunk, as upstream does).
         generator: source of the NSF noise (global RNG when None); a sequence gives each row its own.
+        capture: with CUDA graphs, whether this shape may be captured now (False: replay or run eagerly).
         """
         source = self.excitation(speech_feat, generator)
         if cache_source is not None and cache_source.shape[-1] > 0:
@@ -392,8 +394,9 @@ class HiFTGenerator(nn.Module):
             if cached > source.shape[-1]:
                 raise ValueError(f"cache_source has {cached} samples, more than the {source.shape[-1]} generated")
             source[:, :, :cached] = cache_source.to(source)
-        decode = self._graphed_decode if self._graphed_decode is not None else self.decode
-        return decode(speech_feat, source), source
+        if self._graphed_decode is not None:
+            return self._graphed_decode(speech_feat, source, capture=capture), source
+        return self.decode(speech_feat, source), source
 
     def enable_cuda_graphs(self, max_shapes: int = 4) -> None:
         """Replay `decode` from CUDA graphs, captured lazily per input shape (no effect on CPU inputs).

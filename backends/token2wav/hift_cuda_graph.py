@@ -46,7 +46,8 @@ class GraphedDecode:
     def eager_runs(self) -> int:
         return self._graphed.eager_runs
 
-    def __call__(self, mel: Tensor, source: Tensor) -> Tensor:
+    def __call__(self, mel: Tensor, source: Tensor, capture: bool = True) -> Tensor:
+        """``capture=False``: replay an existing graph or run eagerly (``GraphedCall.replay_only``)."""
         if not mel.is_cuda:
             return self._decode(mel, source)
         batch = mel.shape[0]
@@ -56,4 +57,5 @@ class GraphedDecode:
             # vocoded together come in every count, graphs only in a few (rows are independent in decode).
             mel = torch.cat([mel, mel[:1].expand(rows - batch, *mel.shape[1:])])
             source = torch.cat([source, source[:1].expand(rows - batch, *source.shape[1:])])
-        return self._graphed(mel, source)[:batch].clone()
+        graphed = self._graphed if capture else self._graphed.replay_only
+        return graphed(mel, source)[:batch].clone()
