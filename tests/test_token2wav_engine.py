@@ -613,6 +613,21 @@ def test_feed_batch_serves_the_listener_about_to_run_dry_first(engine, voice):
     assert not batch.step() and done == [1, 0]
 
 
+def test_a_listener_about_to_stall_goes_before_a_new_first_chunk(engine, voice):
+    """First chunks go ahead of listeners with audio to spare, not of one that has run dry."""
+    clock = _Clock(100.0)
+    stalled, relaxed = _started(engine, voice, 50), _started(engine, voice, 51)
+    stalled.played_until, relaxed.played_until = 99.5, 104.0
+    done: list[int] = []
+    batch = engine.feed_batch(lambda key, result: done.append(key), clock=clock)
+    batch.add(0, relaxed, _tokens(25, 52), False)
+    batch.add(1, engine.start_stream(voice, seed=53), _tokens(18, 53), False)
+    batch.add(2, stalled, _tokens(50, 54), False)
+    assert batch.step() and done == [2]        # ran dry half a second ago
+    assert batch.step() and done == [2, 1]     # the new stream's first chunk
+    assert not batch.step() and done == [2, 1, 0]
+
+
 def test_feed_batch_keeps_calls_small_while_every_listener_has_audio(engine, voice):
     """While the most urgent stream has calm_slack_s of audio left and no backlog waits, a call takes
     calm_batch_rows streams (a first chunk arriving meanwhile waits for a shorter call); once one runs
@@ -664,7 +679,8 @@ def test_on_call_reports_every_engine_call(engine, voice):
     finally:
         engine.on_call = None
     first, middle, last = records
-    assert (first.first, first.rows, first.tokens, first.settled, first.slack_s) == (True, 1, 15, 1, -np.inf)
+    assert (first.first, first.rows, first.tokens, first.settled) == (True, 1, 15, 1)
+    assert first.slack_s == pytest.approx(0.1 - 0.25)   # a first chunk is due 100 ms after it arrived
     assert first.waited_s == pytest.approx(0.25)
     assert first.reply_s == pytest.approx(0.03) and first.seconds >= first.reply_s
     assert middle.reply_s == 0 and (first.captured, first.eager) == (0, 0)   # no answer; no graphs on a CPU

@@ -59,6 +59,9 @@ CACHE_RECENT_FRAMES = 100         # frames kept besides the prompt when truncati
 VOICE_NOISE_SEED = 0x5EED         # noise for the prompt frames of every voice (fixed: voices are shared)
 NOISE_BLOCK_FRAMES = 50           # frame noise is drawn in blocks of this size (chunking-independent)
 N_TIMESTEPS = 10
+#: A new stream's first chunk goes ahead of every listener with more audio left than this, after it
+#: arrived (FeedBatch: earliest deadline first); a listener closer to running dry goes first.
+FIRST_CHUNK_SLACK_S = 0.1
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -178,7 +181,7 @@ class Token2WavEngine:
 
     def __init__(self, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator, device: Union[str, torch.device] = "cpu",
                  dtype: Union[str, torch.dtype] = "float32", n_timesteps: int = N_TIMESTEPS, cuda_graphs: bool = False,
-                 graph_mib: int = 16384, chunk_quantum: int = CHUNK_QUANTUM_TOKENS,
+                 graph_mib: int = 16384, encoder_graph_mib: int = 8192, chunk_quantum: int = CHUNK_QUANTUM_TOKENS,
                  max_chunk_tokens: int = MAX_CHUNK_TOKENS, max_batch_rows: int = 16, compile_fused: bool = False,
                  calm_batch_rows: int = 4, calm_slack_s: float = 1.0):
         if not 1 <= chunk_quantum <= max_chunk_tokens:
@@ -221,7 +224,9 @@ class Token2WavEngine:
         if cuda_graphs and self.device.type == "cuda":
             self.graphed_solve = GraphedCall(self.solve, max_bytes=graph_mib << 20)
             self.solve = self.graphed_solve
-            self.encode = GraphedCall(self._encode, max_bytes=2 << 30)
+            # Each encoder graph holds its own output caches (~0.2 GB at 16 streams): 2 GiB held 46 of the
+            # ~110 shapes the warm-up captures, and the rest ran eagerly in every call (measured on an H100).
+            self.encode = GraphedCall(self._encode, max_bytes=encoder_graph_mib << 20)
             # batch 1..16 (powers of two) x the canonical chunk sizes, and 1-2 rows x every last-chunk length
             self.hift.enable_cuda_graphs(max_shapes=128)
 
@@ -229,7 +234,8 @@ class Token2WavEngine:
 
     @classmethod
     def load(cls, model_dir: Union[str, Path], device: str = "cpu", dtype: str = "float32",
-             cuda_graphs: bool = False, graph_mib: int = 16384, compile_fused: bool = False) -> "Token2WavEngine":
+             cuda_graphs: bool = False, graph_mib: int = 16384, encoder_graph_mib: int = 8192,
+             compile_fused: bool = False) -> "Token2WavEngine":
         """Read flow.yaml, flow.pt and hift.pt from a Step-Audio2 token2wav folder; strict state-dict loads."""
         model_dir = Path(model_dir)
         for name in ("flow.yaml", "flow.pt", "hift.pt"):
@@ -239,7 +245,7 @@ class Token2WavEngine:
         hift = load_hift(model_dir / "hift.pt", device="cpu", dtype=torch.float32,
                          **hift_hyperparams_from_checkpoint(model_dir / "hift.pt"))
         return cls(flow, hift, device=device, dtype=dtype, cuda_graphs=cuda_graphs, graph_mib=graph_mib,
-                   compile_fused=compile_fused)
+                   encoder_graph_mib=encoder_graph_mib, compile_fused=compile_fused)
 
     # ---- voices ----
 
@@ -449,12 +455,17 @@ class Token2WavEngine:
                 for _ in range(2):
                     self.hift.inference(mel, source, generator=torch.Generator(device=self.device).manual_seed(0))
 
-    def graph_totals(self) -> tuple[int, int]:
-        """(CUDA graphs held, eager runs of graphed parts so far) over the solve, the encoder and HiFT:
-        a call that raised either ran a shape no graph had (without CUDA graphs: (0, 0))."""
-        parts = [self.graphed_solve, self.encode, self.hift._graphed_decode]
-        parts = [part for part in parts if hasattr(part, "eager_runs")]
-        return sum(part.num_graphs for part in parts), sum(part.eager_runs for part in parts)
+    def graph_counts(self) -> dict[str, tuple[int, int, int]]:
+        """(CUDA graphs held, eager runs so far, graph bytes) of each graphed part: the solve, the encoder
+        and HiFT (empty without CUDA graphs). An eager run is a shape no graph had."""
+        parts = {"solve": self.graphed_solve, "encoder": self.encode, "hift": self.hift._graphed_decode}
+        return {name: (part.num_graphs, part.eager_runs, part.graph_bytes)
+                for name, part in parts.items() if hasattr(part, "eager_runs")}
+
+    def graph_summary(self) -> str:
+        """One line: graphs, eager runs and graph memory per part (logged after the warm-up)."""
+        return "; ".join(f"{name} {graphs} graphs {nbytes / 2**30:.2f} GiB, {eager} eager runs"
+                         for name, (graphs, eager, nbytes) in self.graph_counts().items()) or "no CUDA graphs"
 
     def state_nbytes(self, state: StreamState) -> int:
         """Approximate bytes held by this stream alone (the shared voice is not counted)."""
@@ -698,13 +709,15 @@ class CallRecord:
     """CUDA graphs captured during the call."""
     eager: int = 0
     """Graphed parts (solve, encoder groups, HiFT groups) that ran eagerly: shapes without a graph."""
+    parts: str = ""
+    """Which parts captured (c) or ran eagerly (e), e.g. ``encoder:c0e2``."""
 
     def line(self) -> str:
         kind = "first" if self.first else "last" if self.last else f"{self.tokens}"
         return (f"call t={self.started:.3f} {kind} rows={self.rows} queued={self.queued} "
                 f"ms={1000 * self.seconds:.1f} reply_ms={1000 * self.reply_s:.1f} settled={self.settled} "
                 f"slack_ms={1000 * self.slack_s:.0f} waited_ms={1000 * self.waited_s:.0f} "
-                f"captured={self.captured} eager={self.eager}")
+                f"captured={self.captured} eager={self.eager} {self.parts}").rstrip()
 
 
 @dataclass
@@ -729,13 +742,14 @@ class FeedBatch:
     last chunks count as one size: they are padded to one). ``on_result(key, pcm or exception)`` is
     called once per added feed, as soon as its last chunk is done.
 
-    Which batch runs next:
-    - First chunks whenever any wait, oldest first: first audio is what a listener waits for, and a
-      first chunk is short.
-    - Otherwise, earliest deadline first. A stream's deadline is when a listener who started playing
-      at its first audio, in real time, runs out of the audio it got (``StreamState.played_until``,
-      the bench's playback model). A stream with seconds of audio buffered waits for one about to
-      stall, instead of arrival order deciding.
+    Which batch runs next: earliest deadline first, the chunk size of the most urgent feed.
+    - A playing stream's deadline is when a listener who started at its first audio, in real time,
+      runs out of the audio it got (``StreamState.played_until``, the bench's playback model). A
+      stream with seconds of audio buffered waits for one about to stall, instead of arrival order.
+    - A new stream's first chunk is due ``FIRST_CHUNK_SLACK_S`` after it arrived: first chunks go
+      ahead of every listener with more audio left than that (first audio is what a user waits for,
+      and a first chunk is short), but not ahead of one about to stall (measured at 64 streams:
+      first chunks always first left second chunks queued past their 0.44 s of first audio).
     - How many streams: up to ``max_batch_rows``; but while even the most urgent of the chosen streams
       has ``calm_slack_s`` of audio left and no backlog waits (all the feeds in progress would fit one
       full call), at most ``calm_batch_rows``. A first chunk that arrives meanwhile waits for the call
@@ -793,30 +807,26 @@ class FeedBatch:
         if not self.pending:
             return False
         engine = self._engine
-        firsts = [key for key, feed in self._feeds.items()
-                  if not feed.state.started and feed.batch_key == (FIRST_CHUNK_TOKENS, False)]
-        if firsts:
-            members, rows = firsts, engine.max_batch_rows
-        else:
-            # sorted() is stable: equal deadlines keep arrival order
-            urgent = sorted(self._feeds, key=lambda key: _deadline(self._feeds[key].state))
-            chosen = self._feeds[urgent[0]].batch_key
-            members = [key for key in urgent if self._feeds[key].batch_key == chosen]
-            slack = _deadline(self._feeds[members[0]].state) - self._clock()
-            calm = slack >= engine.calm_slack_s and len(self._feeds) <= engine.max_batch_rows
-            rows = min(engine.calm_batch_rows, engine.max_batch_rows) if calm else engine.max_batch_rows
+        # sorted() is stable: equal deadlines keep arrival order
+        urgent = sorted(self._feeds, key=lambda key: _deadline(self._feeds[key]))
+        chosen = self._feeds[urgent[0]].batch_key
+        members = [key for key in urgent if self._feeds[key].batch_key == chosen]
+        slack = _deadline(self._feeds[members[0]]) - self._clock()
+        calm = (self._feeds[members[0]].state.started and slack >= engine.calm_slack_s
+                and len(self._feeds) <= engine.max_batch_rows)
+        rows = min(engine.calm_batch_rows, engine.max_batch_rows) if calm else engine.max_batch_rows
         # At most max_batch_rows: a call's memory grows with its rows (~0.26 GB of attention cache per
         # stream at the published size), and its graphs exist up to that size.
         members = members[:max(rows, 1)]
         feeds = [self._feeds[key] for key in members]
         states = [feed.state for feed in feeds]
         last = feeds[0].plan[0][1]
-        graphs, eager = engine.graph_totals()
+        counts = engine.graph_counts() if engine.on_call is not None else {}
         self._reply_s = 0.0
         started = self._clock()
         record = CallRecord(started=started, rows=len(feeds), tokens=feeds[0].plan[0][0], last=last,
                             first=not states[0].started, queued=len(self._feeds),
-                            slack_s=min(_deadline(s) for s in states) - started,
+                            slack_s=min(_deadline(f) for f in feeds) - started,
                             waited_s=max(started - f.added_at for f in feeds))
         try:
             chunks = [feed.plan[0][0] for feed in feeds]
@@ -838,10 +848,14 @@ class FeedBatch:
             self._settle([key for key in members if key in self._feeds], exc)
             settled = []
         if engine.on_call is not None:
-            graphs_after, eager_after = engine.graph_totals()
-            engine.on_call(dataclasses.replace(record, seconds=self._clock() - started, settled=len(settled),
-                                               reply_s=self._reply_s, captured=graphs_after - graphs,
-                                               eager=eager_after - eager))
+            after = engine.graph_counts()
+            captured = {name: after[name][0] - counts[name][0] for name in counts}
+            eager = {name: after[name][1] - counts[name][1] for name in counts}
+            engine.on_call(dataclasses.replace(
+                record, seconds=self._clock() - started, settled=len(settled), reply_s=self._reply_s,
+                captured=sum(captured.values()), eager=sum(eager.values()),
+                parts=" ".join(f"{name}:c{captured[name]}e{eager[name]}" for name in counts
+                               if captured[name] or eager[name])))
         return self.pending
 
     def _settle(self, keys: list[Hashable], failure: Optional[Exception] = None) -> None:
@@ -863,9 +877,13 @@ class FeedBatch:
         self._reply_s += self._clock() - replying
 
 
-def _deadline(state: StreamState) -> float:
-    """When the stream's listener runs out of audio; a stream with none yet is due now (-inf)."""
-    return -math.inf if state.played_until is None else state.played_until
+def _deadline(feed: _Feed) -> float:
+    """When the feed's listener runs out of audio (``played_until``). A new stream's first chunk is
+    due FIRST_CHUNK_SLACK_S after it arrived; a stream mid-feed with no audio out yet, at once."""
+    state = feed.state
+    if state.played_until is not None:
+        return state.played_until
+    return feed.added_at + FIRST_CHUNK_SLACK_S if not state.started else -math.inf
 
 
 def _played(state: StreamState, now: float, seconds: float) -> None:

@@ -52,7 +52,8 @@ class TritonPythonModel:
         self.config = ServiceConfig.from_parameters(parameters)
         engine = Token2WavEngine.load(self.config.model_dir, device=_instance_device(self.config.device, args),
                                       dtype=self.config.dtype, cuda_graphs=bool(self.config.cuda_graphs),
-                                      graph_mib=self.config.graph_mib, compile_fused=bool(self.config.compile_fused))
+                                      graph_mib=self.config.graph_mib, encoder_graph_mib=self.config.encoder_graph_mib,
+                                      compile_fused=bool(self.config.compile_fused))
         # Streams per engine call: as many as Triton batches per execute (the worker may hold more).
         engine.max_batch_rows = max(1, int(model_config.get("max_batch_size", 1)))
         engine.calm_batch_rows = max(1, self.config.calm_batch_rows)
@@ -62,7 +63,8 @@ class TritonPythonModel:
         self.service = Token2WavService(engine, self.config)
         warmed = self.service.warm_up(max_rows=engine.max_batch_rows)
         if warmed:
-            pb_utils.Logger.log_info(f"token2wav_dit: CUDA graphs captured in {warmed} warm-up calls")
+            pb_utils.Logger.log_info(f"token2wav_dit: CUDA graphs captured in {warmed} warm-up calls: "
+                                     f"{engine.graph_summary()}")
         self.service.start_reaper()
         self.service.start_worker()
         pb_utils.Logger.log_info(f"token2wav_dit ready: {self.config}")
