@@ -224,8 +224,9 @@ class Token2WavEngine:
         if cuda_graphs and self.device.type == "cuda":
             self.graphed_solve = GraphedCall(self.solve, max_bytes=graph_mib << 20)
             self.solve = self.graphed_solve
-            # Each encoder graph holds its own output caches (~0.2 GB at 16 streams): 2 GiB held 46 of the
-            # ~110 shapes the warm-up captures, and the rest ran eagerly in every call (measured on an H100).
+            # Measured on an H100: a 2 GiB budget stopped at 46 of the ~113 shapes the warm-up captures (the
+            # shared pool grows most at the first captures), and the rest ran eagerly in every call; all
+            # 113 hold ~2.1 GiB. The default leaves room for voices of other prompt lengths.
             self.encode = GraphedCall(self._encode, max_bytes=encoder_graph_mib << 20)
             # batch 1..16 (powers of two) x the canonical chunk sizes, and 1-2 rows x every last-chunk length
             self.hift.enable_cuda_graphs(max_shapes=128)
@@ -688,8 +689,9 @@ class Token2WavEngine:
 class CallRecord:
     """One engine call of a FeedBatch, for ``Token2WavEngine.on_call`` (the server's call trace).
 
-    Times are the batch's clock, in seconds. ``slack_s``: the least audio any member's listener still
-    had when the call started (negative: already stalled; -inf: no audio yet). ``waited_s``: the longest
+    Times are the batch's clock, in seconds. ``slack_s``: the earliest member deadline minus the call's
+    start (``_deadline``): audio a listener still had, negative once stalled, or for a first chunk its
+    100 ms allowance left; -inf for a stream mid-feed with no audio out yet. ``waited_s``: the longest
     a member's feed had waited since it was added. ``seconds`` ends at the call's last host copy, so it
     is GPU time only when some feed ``settled`` (returned its audio) in this call."""
 
@@ -789,7 +791,7 @@ class FeedBatch:
             state.finished = bool(final)
             if final and not state.pending:  # nothing left to synthesise: release the held-back tail
                 tail = state.hift_speech[0] if state.hift_speech is not None else torch.zeros(0, device=engine.device)
-                self._feeds[key] = _Feed(state, [], [tail], self._clock())
+                self._feeds[key] = _Feed(state, [], [tail], added_at=self._clock())
                 engine._release(state)
                 self._settle([key])
                 return
