@@ -766,7 +766,6 @@ class FeedBatch:
         self._engine = engine
         self._on_result = on_result
         self._clock = clock
-        self._reply_s = 0.0   # time in on_result during the current step (CallRecord.reply_s)
         # Feeds with chunks to run, in arrival order (dicts keep insertion order); a feed leaves when settled.
         self._feeds: dict[Hashable, _Feed] = {}
 
@@ -823,13 +822,13 @@ class FeedBatch:
         feeds = [self._feeds[key] for key in members]
         states = [feed.state for feed in feeds]
         last = feeds[0].plan[0][1]
-        counts = engine.graph_counts() if engine.on_call is not None else {}
-        self._reply_s = 0.0
-        started = self._clock()
-        record = CallRecord(started=started, rows=len(feeds), tokens=feeds[0].plan[0][0], last=last,
-                            first=not states[0].started, queued=len(self._feeds),
-                            slack_s=min(_deadline(f) for f in feeds) - started,
-                            waited_s=max(started - f.added_at for f in feeds))
+        started, tracing = self._clock(), engine.on_call is not None
+        if tracing:  # what the trace needs from before the call
+            counts = engine.graph_counts()
+            record = CallRecord(started=started, rows=len(feeds), tokens=feeds[0].plan[0][0], last=last,
+                                first=not states[0].started, queued=len(self._feeds),
+                                slack_s=min(_deadline(f) for f in feeds) - started,
+                                waited_s=max(started - f.added_at for f in feeds))
         try:
             chunks = [feed.plan[0][0] for feed in feeds]
             mels = engine._flow_chunks(
@@ -845,24 +844,25 @@ class FeedBatch:
                 for state in states:
                     engine._release(state)
             settled = [key for key, feed in zip(members, feeds) if not feed.plan]
-            self._settle(settled)
+            reply_s = self._settle(settled)
         except Exception as exc:  # noqa: BLE001 - the whole batch failed: every member's stream is unusable
-            self._settle([key for key in members if key in self._feeds], exc)
+            reply_s = self._settle([key for key in members if key in self._feeds], exc)
             settled = []
-        if engine.on_call is not None:
+        if tracing:
             after = engine.graph_counts()
             captured = {name: after[name][0] - counts[name][0] for name in counts}
             eager = {name: after[name][1] - counts[name][1] for name in counts}
             engine.on_call(dataclasses.replace(
-                record, seconds=self._clock() - started, settled=len(settled), reply_s=self._reply_s,
+                record, seconds=self._clock() - started, settled=len(settled), reply_s=reply_s,
                 captured=sum(captured.values()), eager=sum(eager.values()),
                 parts=" ".join(f"{name}:c{captured[name]}e{eager[name]}" for name in counts
                                if captured[name] or eager[name])))
         return self.pending
 
-    def _settle(self, keys: list[Hashable], failure: Optional[Exception] = None) -> None:
+    def _settle(self, keys: list[Hashable], failure: Optional[Exception] = None) -> float:
+        """Answer the feeds of ``keys`` (their audio, or ``failure``); returns the seconds ``on_result`` took."""
         if not keys:
-            return
+            return 0.0
         if failure is None:
             feeds = [self._feeds[k] for k in keys]
             pcms = [f.pieces[0] if len(f.pieces) == 1 else torch.cat(f.pieces) for f in feeds]
@@ -876,7 +876,7 @@ class FeedBatch:
         for key, output in zip(keys, outputs):
             self._feeds.pop(key, None)
             self._on_result(key, output)
-        self._reply_s += self._clock() - replying
+        return self._clock() - replying
 
 
 def _deadline(feed: _Feed) -> float:
