@@ -217,3 +217,28 @@ def test_min_tokens_can_be_switched_off_from_the_environment(tmp_path: Path, mon
     assert len(clients) == 2 and all(not c.send_min_tokens for c in clients)
     body = clients[0].request_body(prompt(CosyVoicePromptBuilder(str(tokenizer_dir)), min_tokens=5, max_tokens=50))
     assert "min_tokens" not in body and body["max_tokens"] == 50
+
+
+async def test_sse_lines_survive_any_split_and_long_events() -> None:
+    """The stream's line splitter: events cut anywhere by the network, CRLF endings, and one event far
+    above aiohttp's readline limit (128 KiB; an event that echoes a long prompt's ids can be large)."""
+    from gateway.llm.client import _sse_lines
+
+    big = b"data: " + b"1," * 100_000 + b"2"
+    body = b"data: {\"a\":1}\r\n\r\n" + big + b"\n\ndata: [DONE]\n\n"
+
+    class Pieces:  # the part of aiohttp.StreamReader the splitter uses
+        def __init__(self, sizes: list[int]) -> None:
+            self.sizes = sizes
+
+        async def iter_any(self):
+            at = 0
+            for size in self.sizes:
+                yield body[at:at + size]
+                at += size
+            if at < len(body):
+                yield body[at:]
+
+    expected = [b"data: {\"a\":1}", b"", big, b"", b"data: [DONE]", b""]
+    for sizes in ([len(body)], [1] * 40 + [7, 3, 65_536], [15, 1, 1, 200_001]):
+        assert [line async for line in _sse_lines(Pieces(sizes))] == expected

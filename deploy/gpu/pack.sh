@@ -7,7 +7,8 @@
 #     from the nvidia-pytriton wheel (its bundled libpython3.13 and the other stubs are left out);
 #   - numpy 1.26 (Triton 2.51's stub corrupts tensors under numpy 2: ARCHITECTURE.md), tritonclient
 #     without its perf_analyzer binaries, python-rapidjson, and the gateway's pure-Python needs
-#     (pydantic, pydantic-settings, fastapi, starlette, uvicorn) for the pipeline benchmark and the replayer.
+#     (pydantic, pydantic-settings, fastapi, starlette, uvicorn) and aiohttp (the LLM client) for the
+#     pipeline benchmark and the replayer.
 #
 #   bash deploy/gpu/pack.sh          # then carry .gpu in a device run
 set -euo pipefail
@@ -23,6 +24,8 @@ wheels=(
     pydantic==2.14.3 pydantic-core==2.50.4 pydantic-settings==2.16.3 python-dotenv==1.2.4
     typing-inspection==0.4.5 annotated-types==0.8.0 starlette==1.10.0 uvicorn==0.54.0 fastapi==0.165.0
     opentelemetry-api==1.45.2 typing-extensions==4.16.0
+    aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 multidict==7.2.1
+    propcache==0.5.4 yarl==1.25.1
 )
 # Installed for the GPU machine's interpreter (cp312), not this one's; each pinned, no resolver.
 python3 -m pip install -q --no-deps --no-compile --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -2,11 +2,16 @@
 completions server): one prompt in, speech token ids 0..6560 out, as they are generated.
 
 Why it looks like this:
-- One pooled ``httpx.AsyncClient`` per gateway process; every utterance is one streaming POST.
+- One pooled ``aiohttp.ClientSession`` per server; every utterance is one streaming POST. aiohttp, not
+  httpx: the LLM sends one SSE event per token per stream (64 streams at the replayer's 5 ms/token are
+  12 800 events/s), and httpx's pure-Python HTTP/1.1 path cost ~85 us of event-loop time per event
+  (64 streams: ~0.7-0.9 of a core before any audio work), aiohttp's C parser ~26 us
+  (docs/benchmarks.md, "LLM client").
 - The stream is an async generator holding the HTTP response open. Leaving it early (``aclose()``,
-  ``break`` inside ``async with contextlib.aclosing(...)``, or cancelling the task) closes the response,
-  which closes the connection; both trtllm-serve and vLLM abort a request whose client disconnected,
-  so an abandoned utterance stops costing GPU time.
+  ``break`` inside ``async with contextlib.aclosing(...)``, or cancelling the task) releases the
+  response half-read, and aiohttp closes a connection whose body was not read to its end rather than
+  pool it; both trtllm-serve and vLLM abort a request whose client disconnected, so an abandoned
+  utterance stops costing GPU time.
 - Errors become the typed ``LLMError`` subclasses in ``gateway.llm.errors``.
 - min_tokens: sent to the server (vLLM and trtllm-serve both implement it). A server that ignores it
   (older trtllm-serve 1.x) may end an utterance early; we accept that rather than fake it (a logit
@@ -17,12 +22,13 @@ Why it looks like this:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
 
 from gateway.llm import vocab
 from gateway.llm.dialects import DIALECTS, ChunkDecoder, SamplingParams, dialect_from_models, request_body
@@ -89,16 +95,21 @@ class SpeechTokenLLM:
         """Utterances the server ended (eos) before their min_tokens: non-zero means it ignores min_tokens."""
         self.stray_token_count = 0
         """Generated ids that were neither speech tokens nor eos (dropped)."""
-        self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._client: httpx.AsyncClient | None = None
+        # sock_read: the longest silence between two reads (a token, for a stream), as httpx's read timeout
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=min(connect_timeout_s, timeout_s),
+                                              sock_read=timeout_s)
+        self._max_connections = max_connections
+        self._client: aiohttp.ClientSession | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         """Open the connection pool and, for ``dialect="auto"``, try to detect the dialect now."""
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
+            # Made here, not in __init__: a session belongs to the event loop that runs start().
+            self._client = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._max_connections),
+                auto_decompress=False, raise_for_status=False)
         if self.dialect is None:
             try:
                 await self._detect_dialect()
@@ -108,7 +119,7 @@ class SpeechTokenLLM:
     async def aclose(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            await client.aclose()
+            await client.close()
 
     async def __aenter__(self) -> SpeechTokenLLM:
         await self.start()
@@ -122,24 +133,30 @@ class SpeechTokenLLM:
         client = self._require_client()
         for path in ("/health", "/v1/models"):
             try:
-                response = await client.get(self.root_url + path)
-            except httpx.HTTPError:
+                async with client.get(self.root_url + path) as response:
+                    status = response.status
+                    await response.read()  # leaves the connection reusable
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 return False
-            if response.status_code == 200:
+            if status == 200:
                 return True
-            if response.status_code != 404:
+            if status != 404:
                 return False
         return False
 
     async def _detect_dialect(self) -> str:
         client = self._require_client()
         try:
-            response = await client.get(self.root_url + "/v1/models")
-        except httpx.HTTPError as exc:
+            async with client.get(self.root_url + "/v1/models") as response:
+                status, raw = response.status, await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _transport_error(exc) from exc
-        if response.status_code != 200:
-            raise _status_error(response.status_code, response.text)
-        payload = response.json()
+        if status != 200:
+            raise _status_error(status, raw.decode("utf-8", "replace"))
+        try:
+            payload = json.loads(raw)
+        except ValueError as exc:
+            raise LLMServerError(f"unparseable /v1/models answer: {raw[:_BODY_SNIPPET]!r}") from exc
         self.dialect = dialect_from_models(payload)
         served = [card.get("id") for card in payload.get("data", [])]
         if self.model not in served:
@@ -147,7 +164,7 @@ class SpeechTokenLLM:
         log.info("LLM server at %s speaks the %s dialect", self.root_url, self.dialect)
         return self.dialect
 
-    def _require_client(self) -> httpx.AsyncClient:
+    def _require_client(self) -> aiohttp.ClientSession:
         if self._client is None:
             raise RuntimeError("SpeechTokenLLM.start() was not called")
         return self._client
@@ -170,16 +187,16 @@ class SpeechTokenLLM:
         decoder = ChunkDecoder()
         emitted = 0
         try:
-            async with client.stream("POST", self.root_url + "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    raw = await response.aread()
-                    raise _status_error(response.status_code, raw.decode("utf-8", "replace"))
+            async with client.post(self.root_url + "/v1/completions", json=body) as response:
+                if response.status != 200:
+                    raw = await response.read()
+                    raise _status_error(response.status, raw.decode("utf-8", "replace"))
                 finished = False  # [DONE] or a finish_reason seen: the server ended the stream on purpose
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
+                async for line in _sse_lines(response.content):
+                    if not line.startswith(b"data:"):
                         continue  # blank separators, SSE comments, keep-alives
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
+                    data = line[len(b"data:"):].strip()
+                    if data == b"[DONE]":
                         finished = True
                         break
                     vocab_ids, chunk_finished = _ids_of_event(decoder, data)
@@ -201,11 +218,26 @@ class SpeechTokenLLM:
                             return
                 if not finished:
                     raise LLMUnavailable(f"LLM stream ended without finishing after {emitted} tokens")
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _transport_error(exc) from exc
 
 
-def _ids_of_event(decoder: ChunkDecoder, data: str) -> tuple[list[int], bool]:
+async def _sse_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The body's lines (without the line break) as they arrive; no length limit per line (an event
+    that echoes a long prompt's ids may be large)."""
+    buffer = b""
+    async for data in content.iter_any():
+        buffer += data
+        if b"\n" not in data:
+            continue
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if buffer:
+        yield buffer.rstrip(b"\r")
+
+
+def _ids_of_event(decoder: ChunkDecoder, data: bytes) -> tuple[list[int], bool]:
     """Vocabulary ids carried by one SSE ``data:`` payload, and whether it carries a finish_reason;
     an error event raises."""
     try:
@@ -239,12 +271,15 @@ def _status_error(status: int, body: str) -> LLMError:
     return LLMServerError(f"LLM server error ({status}): {snippet}", status_code=status, body=snippet)
 
 
-def _transport_error(exc: httpx.HTTPError) -> LLMError:
-    """Map httpx's transport failures: no connection -> unavailable, slow -> timeout, dropped -> unavailable."""
-    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+def _transport_error(exc: Exception) -> LLMError:
+    """Map aiohttp's transport failures: no connection -> unavailable, silent -> timeout, dropped ->
+    unavailable."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return LLMUnavailable(f"cannot connect to LLM server (timed out): {exc!r}")
+    if isinstance(exc, asyncio.TimeoutError):  # includes aiohttp's SocketTimeoutError (sock_read)
         return LLMTimeout(f"LLM server timed out: {exc!r}")
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+    if isinstance(exc, aiohttp.ClientConnectorError):
         return LLMUnavailable(f"cannot connect to LLM server: {exc!r}")
-    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.CloseError)):
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)):
         return LLMUnavailable(f"LLM server dropped the connection: {exc!r}")
     return LLMServerError(f"LLM transport error: {exc!r}")
