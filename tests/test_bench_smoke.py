@@ -55,6 +55,7 @@ def check_results(out: Path, mode: str, levels: list[int], requests: int, second
                 assert record["tokens"] > 0
                 assert record["audio_s"] == pytest.approx(record["tokens"] * 0.04, rel=0.05, abs=0.05), record
         assert summary["ttfa_p50_ms"] > 0 and summary["rtf_mean"] > 0
+        assert summary["bench_cpu_pct"] > 0  # the client did some work
     assert (out / "ttfa.png").read_bytes()[:8] == PNG_SIGNATURE
     return results
 

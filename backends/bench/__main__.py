@@ -72,8 +72,12 @@ async def run(driver: Driver, args: argparse.Namespace) -> dict:
                 if failed:
                     print(f"[bench] {failed} of {len(warm)} warm-up requests at concurrency {concurrency} failed",
                           file=sys.stderr)
+            cpu_before = time.process_time()
             records, wall = await run_level(driver, concurrency, n, timeout_s=args.timeout_s, ramp_s=args.ramp_s)
             summary = summarize(concurrency, records, wall)
+            # This process's CPU (all its threads) over the level: near 100 % of a core, the client
+            # side (in ``pipeline`` mode the gateway's own code) is what lags, not the servers.
+            summary["bench_cpu_pct"] = round(100 * (time.process_time() - cpu_before) / wall, 1) if wall > 0 else None
             levels.append({"summary": summary, "requests": [r.as_dict() for r in records]})
             print(report.table([summary]).splitlines()[-1], flush=True)
             for error, count in summary["errors_by_type"].items():
