@@ -459,8 +459,10 @@ def test_feed_many_reports_each_result_as_soon_as_it_is_ready(engine, voice):
 def test_warm_up_runs_every_canonical_shape_only_with_cuda_graphs(engine, voice, request):
     """Without graphs there is nothing to capture. With them (here: the graph wrapper, which runs
     eagerly on the CPU) every batch size up to max_rows sees the first chunk, each whole chunk size and
-    a padded last chunk twice, so each solve shape reaches the capture threshold before serving."""
-    assert engine.warm_up(voice, max_rows=4) == 0
+    a padded last chunk twice, so each solve shape reaches the capture threshold before serving. Up to
+    8 rows: more than calm_batch_rows, which must not shrink the warm-up's calls."""
+    assert engine.calm_batch_rows < 8
+    assert engine.warm_up(voice, max_rows=8) == 0
     request.getfixturevalue("padded_batches")
     shapes: list[tuple] = []
     solve = engine.solve
@@ -483,18 +485,18 @@ def test_warm_up_runs_every_canonical_shape_only_with_cuda_graphs(engine, voice,
 
     engine.solve, engine.encode, engine.hift.inference = recording_solve, recording_encode, recording_vocode
     try:
-        calls = engine.warm_up(voice, max_rows=4)
+        calls = engine.warm_up(voice, max_rows=8)
     finally:
         engine.solve, engine.encode = solve, encode
         del engine.hift.inference   # the instance attribute; the class's method is back
-    assert calls == 3 * 2 * 6   # batches 1, 2, 4; twice; 18, 25, 50, 75, 100 tokens and the last chunk
+    assert calls == 4 * 2 * 6   # batches 1, 2, 4, 8; twice; 18, 25, 50, 75, 100 tokens and the last chunk
     frames = {30, 50, 100, 150, 200, engine.last_chunk_frames}
-    assert {(rows, f): shapes.count((rows, f)) for rows in (1, 2, 4) for f in frames} == \
-        {(rows, f): 2 for rows in (1, 2, 4) for f in frames}
+    assert {(rows, f): shapes.count((rows, f)) for rows in (1, 2, 4, 8) for f in frames} == \
+        {(rows, f): 2 for rows in (1, 2, 4, 8) for f in frames}
     # The encoder at every cache length a stream meets and every whole chunk size; last chunks of every
     # length at 1 and 2 rows, encoder and HiFT (each at least twice: captured at the second sighting).
     lengths = engine.encoder_cache_lengths(voice.prompt_frames)
-    for rows in (1, 2, 4):
+    for rows in (1, 2, 4, 8):
         for length in lengths:
             for size in (25, 50, 75, 100):
                 assert encoded.count((rows, size + 3, length, False)) >= 2, (rows, size, length)
@@ -710,3 +712,37 @@ def test_compile_switch_never_compiles_cpu_work(model_dir, monkeypatch):
         fused.use_compiled(False)
     torch.testing.assert_close(summed, x + gate * y)
     torch.testing.assert_close(normed, torch.nn.functional.layer_norm(x + gate * y, (8,), scale, shift, 1e-6))
+
+
+def test_last_chunks_run_encoder_and_hift_in_groups_the_warm_up_captured(engine, voice, padded_batches, monkeypatch):
+    """With CUDA graphs, five streams ending with equal last chunks run the encoder and HiFT in groups of
+    at most LAST_CHUNK_GRAPH_ROWS (the warm-up's last-chunk graphs; a larger group ran eagerly), and
+    the audio is what each stream gets alone."""
+    from backends.token2wav.engine import LAST_CHUNK_GRAPH_ROWS
+
+    alone = []
+    for k in range(5):
+        state = engine.start_stream(voice, seed=30 + k)
+        engine.feed(state, _tokens(18, k), final=False)
+        alone.append(engine.feed(state, _tokens(10, 10 + k), final=True))
+    rows: list[tuple[str, int]] = []
+    graphed = engine.encode
+    monkeypatch.setattr(graphed, "replay_only", lambda *args: rows.append(("encode", args[0].shape[0])) or graphed(*args),
+                        raising=False)
+    vocode = engine.hift.inference
+
+    def recording_vocode(mel, *args, capture=True, **kw):
+        if not capture:
+            rows.append(("hift", mel.shape[0]))
+        return vocode(mel, *args, capture=capture, **kw)
+
+    monkeypatch.setattr(engine.hift, "inference", recording_vocode)
+    states = [engine.start_stream(voice, seed=30 + k) for k in range(5)]
+    engine.feed_many([(state, _tokens(18, k), False) for k, state in enumerate(states)])
+    together = engine.feed_many([(state, _tokens(10, 10 + k), True) for k, state in enumerate(states)])
+    for part in ("encode", "hift"):
+        sizes = [n for name, n in rows if name == part]
+        assert sizes and max(sizes) <= LAST_CHUNK_GRAPH_ROWS and sum(sizes) == 5, (part, sizes)
+    for mine, solo in zip(together, alone):
+        assert mine.shape == solo.shape
+        np.testing.assert_allclose(mine, solo, atol=2e-4)

@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -56,6 +56,7 @@ MAX_CHUNK_TOKENS = 100            # ... of at most this many tokens
 CACHE_WIDTH_STEP = 100            # with CUDA graphs, estimator caches are padded to a multiple of this (frames)
 HIFT_CACHE_FRAMES = 8             # mel frames re-fed to HiFT for the cross-fade (160 ms)
 CACHE_RECENT_FRAMES = 100         # frames kept besides the prompt when truncating caches
+LAST_CHUNK_GRAPH_ROWS = 2         # with CUDA graphs, last chunks run encoder and HiFT in groups of at most this many
 VOICE_NOISE_SEED = 0x5EED         # noise for the prompt frames of every voice (fixed: voices are shared)
 NOISE_BLOCK_FRAMES = 50           # frame noise is drawn in blocks of this size (chunking-independent)
 N_TIMESTEPS = 10
@@ -368,7 +369,10 @@ class Token2WavEngine:
             if on_result is not None:
                 on_result(index, result)  # type: ignore[arg-type]
 
-        batch = self.feed_batch(record)
+        # No calm calls: the feeds are all here at once, and the warm-up needs its batches at full size
+        # (with calm calls its 8- and 16-stream rounds ran as 4-stream calls, so those shapes first
+        # met a CUDA graph on a request's time: 0.5-1 s calls at 64 streams).
+        batch = self.feed_batch(record, calm_calls=False)
         for index, (state, tokens, final) in enumerate(items):
             batch.add(index, state, tokens, final)
         while batch.step():
@@ -376,11 +380,12 @@ class Token2WavEngine:
         return results  # type: ignore[return-value]
 
     def feed_batch(self, on_result: Callable[[Hashable, Union[np.ndarray, Exception]], None],
-                   clock: Callable[[], float] = time.monotonic) -> "FeedBatch":
+                   clock: Callable[[], float] = time.monotonic, *, calm_calls: bool = True) -> "FeedBatch":
         """An open batch: feeds added at any time, run one batched engine call per ``step`` (a server's
         worker thread adds the requests that arrived between two steps). ``clock`` times the listeners'
-        playback, which decides the order of the calls."""
-        return FeedBatch(self, on_result, clock)
+        playback, which decides the order of the calls; ``calm_calls=False``: every call as large as
+        the feeds allow (see ``FeedBatch``)."""
+        return FeedBatch(self, on_result, clock, calm_calls=calm_calls)
 
     @torch.inference_mode()
     def warm_up(self, voice: VoiceConditioning, max_rows: int = 16) -> int:
@@ -396,17 +401,19 @@ class Token2WavEngine:
         if self.graphed_solve is None:
             return 0
         tokens = [(7 * i) % NUM_SPEECH_TOKENS for i in range(FIRST_CHUNK_TOKENS + self.lookahead + self.max_chunk_tokens)]
-        sizes = [FIRST_CHUNK_TOKENS + self.lookahead] + list(range(self.chunk_quantum, self.max_chunk_tokens + 1,
-                                                                   self.chunk_quantum))
-        calls, rows = 0, 1
-        while rows <= max_rows:
+        # Largest shapes first: the graphs share one memory pool, and a capture reuses what the larger
+        # ones before it freed (smallest first, each larger capture grew the pool: 29 solve graphs held
+        # 25 GiB on an H100). The solve's shapes do not depend on the chunks before, so the whole sizes
+        # can run in any order after the first chunk.
+        sizes = [FIRST_CHUNK_TOKENS + self.lookahead] + list(range(self.max_chunk_tokens, 0, -self.chunk_quantum))
+        calls = 0
+        for rows in _powers_of_two_down(max_rows):
             for _ in range(2):
                 states = [self.start_stream(voice, seed=k) for k in range(rows)]
                 for size in sizes:
                     self.feed_many([(state, tokens[:size], False) for state in states])
                 self.feed_many([(state, tokens[:self.chunk_quantum - 1], True) for state in states])
                 calls += len(sizes) + 1
-            rows *= 2
         self._warm_up_encoder_and_hift(voice, max_rows)
         return calls
 
@@ -425,9 +432,10 @@ class Token2WavEngine:
 
         - the encoder at every (conformer cache length, whole chunk size) a stream can meet: a stream
           whose LLM ran ahead sends 50 or 100 tokens where ``warm_up``'s streams send 25;
-        - a last chunk of every length (1 to 24 tokens + the lookahead) at 1 and 2 rows, encoder and
-          HiFT, with the cache a long stream has: a last chunk never captures on a request's time
-          (``_flow_chunks``), and at most a few streams end at one call with one length.
+        - a last chunk of every length (1 to 24 tokens + the lookahead) at 1 and 2 rows
+          (LAST_CHUNK_GRAPH_ROWS), encoder and HiFT, with the cache a long stream has: a last chunk
+          never captures on a request's time (``_flow_chunks``), and runs in groups of that size
+          (``_graph_groups``).
         """
         cnn, att = voice.prompt_cache.conformer_cnn, voice.prompt_cache.conformer_att
         width = self.flow.input_embedding.embedding_dim
@@ -441,14 +449,12 @@ class Token2WavEngine:
                 self.encode(*args)
 
         lengths = self.encoder_cache_lengths(voice.prompt_frames)
-        rows = 1
-        while rows <= max_rows:
-            for cache_length in lengths:
-                for size in range(self.chunk_quantum, self.max_chunk_tokens + 1, self.chunk_quantum):
+        for rows in _powers_of_two_down(max_rows):  # largest first, as in warm_up
+            for cache_length in reversed(lengths):
+                for size in range(self.max_chunk_tokens, 0, -self.chunk_quantum):
                     encode_twice(rows, size + self.lookahead, cache_length, False)
-            rows *= 2
-        for rows in (1, 2):
-            for tokens in range(1 + self.lookahead, self.chunk_quantum + self.lookahead):
+        for rows in _powers_of_two_down(LAST_CHUNK_GRAPH_ROWS):
+            for tokens in range(self.chunk_quantum + self.lookahead - 1, self.lookahead, -1):
                 encode_twice(rows, tokens, lengths[-1], True)
                 frames = HIFT_CACHE_FRAMES + tokens * self.flow.up_rate
                 mel = torch.zeros(rows, self.mel_channels, frames, device=self.device, dtype=self.dtype)
@@ -534,7 +540,7 @@ class Token2WavEngine:
             cache = state.flow_cache
             key = (len(tokens[i]), tuple(cache.conformer_cnn.shape), tuple(cache.conformer_att.shape))
             by_shape.setdefault(key, []).append(i)
-        for members in by_shape.values():
+        for members in self._graph_groups(by_shape.values(), last_chunk):
             caches = [states[i].flow_cache for i in members]
             token_tensor = torch.tensor([tokens[i] for i in members], dtype=torch.long, device=self.device)
             embedded = flow.input_embedding(token_tensor)
@@ -578,6 +584,19 @@ class Token2WavEngine:
                 torch.cat([_cfg_rows(estimator_att, i, rows), state.flow_cache.estimator_att], dim=4),
             ).truncated(state.voice.prompt_frames, CACHE_RECENT_FRAMES)
         return mels
+
+    def _graph_groups(self, groups: Iterable[list[int]], last_chunk: bool) -> Iterator[list[int]]:
+        """Groups of streams as the encoder or HiFT runs them. With CUDA graphs, a last-chunk group is
+        split into groups of at most LAST_CHUNK_GRAPH_ROWS, the batch the warm-up captures last chunks
+        at: last chunks only replay graphs, and a larger group ran eagerly (50-150 ms per part where a
+        replay takes a few; calls of 16 streams' last chunks took 150-570 ms at 64 streams)."""
+        limit = LAST_CHUNK_GRAPH_ROWS if last_chunk and self.graphed_solve is not None else 0
+        for members in groups:
+            if not limit:
+                yield members
+                continue
+            for at in range(0, len(members), limit):
+                yield members[at:at + limit]
 
     def cache_width(self, prompt_frames: int) -> int:
         """Estimator cache length every chunk of a voice is padded to with CUDA graphs."""
@@ -635,7 +654,7 @@ class Token2WavEngine:
             source_shape = None if state.hift_source is None else tuple(state.hift_source.shape)
             groups.setdefault((tuple(mel.shape), source_shape), []).append(i)
         pcms: list[torch.Tensor] = [torch.empty(0)] * len(states)
-        for members in groups.values():
+        for members in self._graph_groups(groups.values(), final):
             for i, pcm in zip(members, self._vocode_batch([states[i] for i in members], [mels[i] for i in members], final)):
                 pcms[i] = pcm
         return pcms
@@ -762,8 +781,9 @@ class FeedBatch:
 
     def __init__(self, engine: Token2WavEngine,
                  on_result: Callable[[Hashable, Union[np.ndarray, Exception]], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, calm_calls: bool = True) -> None:
         self._engine = engine
+        self._calm_calls = calm_calls
         self._on_result = on_result
         self._clock = clock
         # Feeds with chunks to run, in arrival order (dicts keep insertion order); a feed leaves when settled.
@@ -813,7 +833,7 @@ class FeedBatch:
         chosen = self._feeds[urgent[0]].batch_key
         members = [key for key in urgent if self._feeds[key].batch_key == chosen]
         slack = _deadline(self._feeds[members[0]]) - self._clock()
-        calm = (self._feeds[members[0]].state.started and slack >= engine.calm_slack_s
+        calm = (self._calm_calls and self._feeds[members[0]].state.started and slack >= engine.calm_slack_s
                 and len(self._feeds) <= engine.max_batch_rows)
         rows = min(engine.calm_batch_rows, engine.max_batch_rows) if calm else engine.max_batch_rows
         # At most max_batch_rows: a call's memory grows with its rows (~0.26 GB of attention cache per
@@ -877,6 +897,11 @@ class FeedBatch:
             self._feeds.pop(key, None)
             self._on_result(key, output)
         return self._clock() - replying
+
+
+def _powers_of_two_down(limit: int) -> list[int]:
+    """The batch sizes graphs are captured for (batches are padded to a power of two), largest first."""
+    return [1 << k for k in range(max(limit, 1).bit_length() - 1, -1, -1)]
 
 
 def _deadline(feed: _Feed) -> float:
