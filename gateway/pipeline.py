@@ -73,6 +73,10 @@ CHUNK_SCHEDULES: dict[str, ChunkSchedule] = {
     "exponential": ChunkSchedule("exponential", first=15, lookahead=3, hops=(25, 50, 100, 200)),
     # Steady 1 s chunks after the first: lower per-chunk latency, more calls.
     "fixed25": ChunkSchedule("fixed25", first=15, lookahead=3, hops=(25,), max_tokens=100),
+    # Upstream's, with every call at most one token2wav chunk (100 tokens, the engine's largest): a
+    # 200-token call is synthesised as two chunks but answered once, so its listener waits for both
+    # while it needed only the first, and other streams about to stall wait behind them.
+    "exponential100": ChunkSchedule("exponential100", first=15, lookahead=3, hops=(25, 50, 100), max_tokens=100),
 }
 
 

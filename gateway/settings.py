@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     """A probe slower than this counts as a failure."""
 
     # --- streaming ---
-    chunk_schedule: str = "exponential"
+    chunk_schedule: str = "exponential100"
     """Named token-chunk schedule (see gateway/pipeline.py)."""
 
     # --- text ---

@@ -274,3 +274,37 @@ async def test_tokens_waiting_for_token2wav_go_in_calls_of_at_most_max_tokens(to
     assert max(sizes) <= schedule.max_tokens
     assert sum(1 for n in sizes if n == schedule.max_tokens) >= 2  # the backlog went in capped calls
     assert [final for _, final in recording.calls] == [False] * (len(sizes) - 1) + [True]
+
+
+async def test_the_default_schedule_sends_token2wav_at_most_one_engine_chunk_per_call(tokenizer_dir: Path) -> None:
+    """An LLM far ahead of token2wav (every token at once): the first call carries 15 + 3 tokens, and no
+    call more than the engine's largest chunk (100), so each answer comes back after one chunk's work
+    (a 200-token call was answered after two, while its listener needed only the first)."""
+    from gateway.settings import Settings
+
+    sizes: list[int] = []
+
+    class RecordingStream(FakeToken2WavStream):
+        async def send(self, tokens: list[int], final: bool = False) -> np.ndarray:
+            sizes.append(len(tokens))
+            await asyncio.sleep(0.01)  # the LLM's tokens pile up meanwhile
+            return await super().send(tokens, final)
+
+    class RecordingToken2Wav(FakeToken2Wav):
+        @contextlib.asynccontextmanager
+        async def stream(self, voice: Voice) -> AsyncIterator[FakeToken2WavStream]:
+            yield RecordingStream()
+
+    llm = FakeLLM()
+    pipeline = SpeechPipeline(
+        EndpointPool("llm", [("llm", llm)], FakeLLM.ready),
+        CosyVoicePromptBuilder(str(tokenizer_dir)),
+        EndpointPool("token2wav", [("t2w", RecordingToken2Wav())], FakeToken2Wav.ready),
+        OneVoice(),  # type: ignore[arg-type]
+        context_tokens=2048,
+        schedule=get_schedule(Settings.model_fields["chunk_schedule"].default),
+    )
+    speech = await asyncio.wait_for(pipeline.prepare(job(spoken(EN[:600]))), WAIT_S)
+    samples = await asyncio.wait_for(drain(speech.pcm()), WAIT_S)
+    assert samples == llm.emitted > 300
+    assert sizes[0] == 18 and max(sizes) == 100, sizes

@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     t2w.add_argument("--tokens", type=int, default=250, help="speech tokens per request (25 per second)")
     t2w.add_argument("--prefill-ms", type=float, default=20.0)
     t2w.add_argument("--token-ms", type=float, default=5.0)
-    t2w.add_argument("--schedule", default="exponential", help="chunk schedule (gateway/pipeline.py)")
+    t2w.add_argument("--schedule", default="exponential100", help="chunk schedule (gateway/pipeline.py)")
     t2w.add_argument("--seed", type=int, default=0)
     _common(t2w)
 
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--triton", default="127.0.0.1:8201", help="gRPC HOST:PORT")
     pipe.add_argument("--voices-dir", default="var/voices")
     pipe.add_argument("--tokenizer-dir", default="var/models/llm", help="the LLM folder's tokenizer.json")
-    pipe.add_argument("--schedule", default=None, help="chunk schedule (default: TTS_CHUNK_SCHEDULE or exponential)")
+    pipe.add_argument("--schedule", default=None, help="chunk schedule (default: TTS_CHUNK_SCHEDULE or exponential100)")
     _texts_and_voice(pipe)
     _common(pipe)
 

@@ -229,7 +229,7 @@ class Token2WavDriver:
 
     def __init__(self, triton: str, *, model: str = "token2wav_dit", voice: str = "alloy",
                  voices_dir: str | None = None, tokens: int = 250, prefill_ms: float = 20.0, token_ms: float = 5.0,
-                 schedule: str = "exponential", seed: int = 0, timeout_s: float = 600.0) -> None:
+                 schedule: str = "exponential100", seed: int = 0, timeout_s: float = 600.0) -> None:
         self.triton, self.model, self.voice_spec, self.voices_dir = triton, model, voice, voices_dir
         self.tokens, self.seed, self.timeout_s, self.schedule_name = tokens, seed, timeout_s, schedule
         self.timetable = Timetable(prefill_ms / 1e3, token_ms / 1e3)

@@ -70,7 +70,7 @@ async def probe(grpc_url: str, voices_npz: Path, tokens: int = 400) -> list[dict
     from gateway.voices import load_voice
 
     voice = load_voice(voices_npz)
-    schedule = get_schedule("exponential")
+    schedule = get_schedule("exponential100")
     rng = np.random.default_rng(0)
     ids = [int(t) for t in rng.integers(0, 6561, tokens)]
     rows = []
