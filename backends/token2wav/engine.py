@@ -401,13 +401,15 @@ class Token2WavEngine:
         if self.graphed_solve is None:
             return 0
         tokens = [(7 * i) % NUM_SPEECH_TOKENS for i in range(FIRST_CHUNK_TOKENS + self.lookahead + self.max_chunk_tokens)]
-        # Largest shapes first: the graphs share one memory pool, and a capture reuses what the larger
-        # ones before it freed (smallest first, each larger capture grew the pool: 29 solve graphs held
-        # 25 GiB on an H100). The solve's shapes do not depend on the chunks before, so the whole sizes
-        # can run in any order after the first chunk.
+        # One stream first: the fused kernels (``fused``) compile for the first shapes they see and run
+        # every later shape from a slower symbolic-shape build, and one stream's first chunk is the
+        # latency that matters most. Then the largest shapes first: the graphs share one memory pool,
+        # and a capture reuses what the larger ones before it freed (smallest first, each larger capture
+        # grew the pool: 29 solve graphs held 25 GiB on an H100). The solve's shapes do not depend on
+        # the chunks before, so the whole sizes can run in any order after the first chunk.
         sizes = [FIRST_CHUNK_TOKENS + self.lookahead] + list(range(self.max_chunk_tokens, 0, -self.chunk_quantum))
         calls = 0
-        for rows in _powers_of_two_down(max_rows):
+        for rows in [1] + _powers_of_two_down(max_rows)[:-1]:
             for _ in range(2):
                 states = [self.start_stream(voice, seed=k) for k in range(rows)]
                 for size in sizes:
