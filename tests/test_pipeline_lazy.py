@@ -127,16 +127,18 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def make_pipeline(tokenizer_dir: Path, llm: FakeLLM, normalizer: object) -> SpeechPipeline:
+def make_pipeline(tokenizer_dir: Path, llm: FakeLLM, normalizer: object, *,
+                  token2wav: FakeToken2Wav | None = None, schedule: str = "exponential") -> SpeechPipeline:
     pipeline = SpeechPipeline(
         EndpointPool("llm", [("llm", llm)], FakeLLM.ready),
         CosyVoicePromptBuilder(str(tokenizer_dir)),
-        EndpointPool("token2wav", [("t2w", FakeToken2Wav())], FakeToken2Wav.ready),
+        EndpointPool("token2wav", [("t2w", token2wav or FakeToken2Wav())], FakeToken2Wav.ready),
         OneVoice(),  # type: ignore[arg-type]
         context_tokens=2048,
-        schedule=get_schedule("exponential"),
+        schedule=get_schedule(schedule),
     )
-    pipeline.normalizer = normalizer  # type: ignore[assignment]
+    if normalizer is not None:
+        pipeline.normalizer = normalizer  # type: ignore[assignment]
     return pipeline
 
 
@@ -296,14 +298,8 @@ async def test_the_default_schedule_sends_token2wav_at_most_one_engine_chunk_per
             yield RecordingStream()
 
     llm = FakeLLM()
-    pipeline = SpeechPipeline(
-        EndpointPool("llm", [("llm", llm)], FakeLLM.ready),
-        CosyVoicePromptBuilder(str(tokenizer_dir)),
-        EndpointPool("token2wav", [("t2w", RecordingToken2Wav())], FakeToken2Wav.ready),
-        OneVoice(),  # type: ignore[arg-type]
-        context_tokens=2048,
-        schedule=get_schedule(Settings.model_fields["chunk_schedule"].default),
-    )
+    pipeline = make_pipeline(tokenizer_dir, llm, None, token2wav=RecordingToken2Wav(),
+                             schedule=Settings.model_fields["chunk_schedule"].default)
     speech = await asyncio.wait_for(pipeline.prepare(job(spoken(EN[:600]))), WAIT_S)
     samples = await asyncio.wait_for(drain(speech.pcm()), WAIT_S)
     assert samples == llm.emitted > 300
