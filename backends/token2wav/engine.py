@@ -451,7 +451,7 @@ class Token2WavEngine:
                 self.encode(*args)
 
         lengths = self.encoder_cache_lengths(voice.prompt_frames)
-        for rows in _powers_of_two_down(max_rows):  # largest first, as in warm_up
+        for rows in _powers_of_two_down(max_rows):  # largest first: one memory pool (see warm_up)
             for cache_length in reversed(lengths):
                 for size in range(self.max_chunk_tokens, 0, -self.chunk_quantum):
                     encode_twice(rows, size + self.lookahead, cache_length, False)

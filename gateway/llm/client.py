@@ -4,9 +4,9 @@ completions server): one prompt in, speech token ids 0..6560 out, as they are ge
 Why it looks like this:
 - One pooled ``aiohttp.ClientSession`` per server; every utterance is one streaming POST. aiohttp, not
   httpx: the LLM sends one SSE event per token per stream (64 streams at the replayer's 5 ms/token are
-  12 800 events/s), and httpx's pure-Python HTTP/1.1 path cost ~85 us of event-loop time per event
-  (64 streams: ~0.7-0.9 of a core before any audio work), aiohttp's C parser ~26 us
-  (docs/benchmarks.md, "LLM client").
+  12 800 events/s), and this client on httpx's pure-Python HTTP/1.1 path cost 85-115 us of event-loop
+  time per event (64 streams: 0.7-0.9 of a core before any audio work), on aiohttp's C parser 40-50 us
+  (docs/benchmarks.md, fourth GPU session).
 - The stream is an async generator holding the HTTP response open. Leaving it early (``aclose()``,
   ``break`` inside ``async with contextlib.aclosing(...)``, or cancelling the task) releases the
   response half-read, and aiohttp closes a connection whose body was not read to its end rather than
