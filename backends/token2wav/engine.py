@@ -227,7 +227,7 @@ class Token2WavEngine:
             self.solve = self.graphed_solve
             # Measured on an H100: a 2 GiB budget stopped at 46 of the ~113 shapes the warm-up captures (the
             # shared pool grows most at the first captures), and the rest ran eagerly in every call; all
-            # 113 hold ~2.1 GiB. The default leaves room for voices of other prompt lengths.
+            # 113 hold 2.2-3.9 GiB (varies run to run). The default leaves room for voices of other prompt lengths.
             self.encode = GraphedCall(self._encode, max_bytes=encoder_graph_mib << 20)
             # batch 1..16 (powers of two) x the canonical chunk sizes, and 1-2 rows x every last-chunk length
             self.hift.enable_cuda_graphs(max_shapes=128)

@@ -98,7 +98,7 @@ class ServiceConfig:
     graph_mib: int = 16384
     """GPU memory the estimator's CUDA graphs may hold (beyond it, new shapes run eagerly)."""
     encoder_graph_mib: int = 8192
-    """GPU memory the conformer encoder's CUDA graphs may hold (~2.1 GiB per voice prompt length on an H100)."""
+    """GPU memory the conformer encoder's CUDA graphs may hold (2.2-3.9 GiB per voice prompt length on an H100)."""
     compile_fused: int = 1
     """1: on a CUDA device, compile the DiT's elementwise groups into fused kernels (torch.compile, at
     the first solves: the warm-up); 0: run them as separate eager kernels."""
