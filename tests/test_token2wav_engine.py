@@ -320,6 +320,22 @@ def padded_batches(engine):
     engine.solve, engine.encode = saved
 
 
+def test_graph_input_buffer_is_shared_per_argument_and_shape_and_counted():
+    """The solve's caches are written straight into the graphs' input buffers: one zeroed buffer per
+    (argument, shape, dtype), the same object every time, its bytes counted against the budget."""
+    from backends.token2wav.cuda_graph import GraphedCall
+
+    graphed = GraphedCall(lambda *args: args)
+    first = graphed.input_buffer(6, (2, 3, 4), torch.float16, torch.device("cpu"))
+    assert first.shape == (2, 3, 4) and first.dtype == torch.float16 and not first.any()
+    first.fill_(1)
+    assert graphed.input_buffer(6, (2, 3, 4), torch.float16, torch.device("cpu")) is first
+    assert graphed.graph_bytes == first.numel() * 2
+    other = graphed.input_buffer(6, (2, 3, 8), torch.float16, torch.device("cpu"))
+    assert other is not first and graphed.graph_bytes == (24 + 48) * 2
+    assert graphed.input_buffer(5, (2, 3, 4), torch.float16, torch.device("cpu")) is not first
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["exact-batches", "padded-batches"])
 def test_feed_many_batches_equal_chunks_and_matches_solo_streams(engine, voice, other_voice, padded, request):
     """Four streams fed together: three of one voice at the same schedule point (one batch of 3,
@@ -395,6 +411,22 @@ def test_plan_chunks_uses_canonical_sizes(engine, started, pending, final, chunk
         assert consumed == pending
     else:
         assert pending - consumed >= 3   # the lookahead always stays
+
+
+def test_graph_input_buffer_is_shared_per_argument_and_shape_and_counted():
+    """The solve's caches are written straight into the graphs' input buffers: one zeroed buffer per
+    (argument, shape, dtype), the same object every time, its bytes counted against the budget."""
+    from backends.token2wav.cuda_graph import GraphedCall
+
+    graphed = GraphedCall(lambda *args: args)
+    first = graphed.input_buffer(6, (2, 3, 4), torch.float16, torch.device("cpu"))
+    assert first.shape == (2, 3, 4) and first.dtype == torch.float16 and not first.any()
+    first.fill_(1)
+    assert graphed.input_buffer(6, (2, 3, 4), torch.float16, torch.device("cpu")) is first
+    assert graphed.graph_bytes == first.numel() * 2
+    other = graphed.input_buffer(6, (2, 3, 8), torch.float16, torch.device("cpu"))
+    assert other is not first and graphed.graph_bytes == (24 + 48) * 2
+    assert graphed.input_buffer(5, (2, 3, 4), torch.float16, torch.device("cpu")) is not first
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["exact-batches", "padded-batches"])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from backends.token2wav.config import build_flow_from_yaml, flow_yaml_text, load_flow, parse_flow_yaml
+from backends.token2wav.flow import FlowCache, prepend_truncated
 from backends.token2wav.tiny import write_token2wav_dir
 
 FIXTURE = Path(__file__).parent / "golden" / "fixtures" / "flow_tiny.pt"
@@ -85,6 +86,24 @@ def test_streaming_chunks_match_reference_including_cache_truncation(flow, refer
         done += size - 3
     # the fixture's schedule made both caches exceed prompt + 100 frames, so truncation was exercised
     assert max(reference["cache_lens"].tolist()) == prompt_frames + 100
+
+
+@pytest.mark.parametrize("new_frames", [1, 30, 99, 100, 150, 200, 250, 400])
+@pytest.mark.parametrize("old_frames", [0, 50, 200, 300, 301, 400])
+def test_prepend_truncated_equals_prepending_then_truncating(new_frames, old_frames):
+    """The engine's one-copy cache update keeps exactly the frames upstream keeps (cat, then cut),
+    from views of a batch (the new frames) and of a cache, for chunks shorter and longer than the
+    prompt and caches below, at and above the limit."""
+    prompt_frames, recent = 300, 100
+    batch = torch.randn(2, 3, 4, 5, new_frames, 6)   # (steps, depth, 2 x rows, heads, frames, 2d): 2 rows
+    new = batch.view(2, 3, 2, 2, 5, new_frames, 6).select(3, 1)   # row 1's cond and uncond halves
+    old = torch.randn(2, 3, 2, 5, old_frames, 6)
+    empty = torch.empty(1, 1, 1, 0)   # no conformer cache to cut here
+    expected = FlowCache(empty, empty, empty, torch.cat([new, old], dim=4)).truncated(prompt_frames, recent)
+    got = prepend_truncated(new, old, prompt_frames, recent, dim=4)
+    assert torch.equal(got, expected.estimator_att)
+    assert got.shape[4] == min(new_frames + old_frames, prompt_frames + recent)
+    assert got.data_ptr() not in (new.data_ptr(), old.data_ptr())   # the stream's own copy, never a view
 
 
 def test_tiny_dir_loads_strictly_in_published_layout(tmp_path):

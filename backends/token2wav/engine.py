@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from backends.token2wav import fused
 from backends.token2wav.config import load_flow
 from backends.token2wav.cuda_graph import GraphedCall
-from backends.token2wav.flow import CausalMaskedDiffWithXvec, FlowCache
+from backends.token2wav.flow import CausalMaskedDiffWithXvec, FlowCache, prepend_truncated
 from backends.token2wav.hift import HiFTGenerator, load_hift
 
 SAMPLE_RATE = 24000
@@ -56,6 +56,7 @@ MAX_CHUNK_TOKENS = 100            # ... of at most this many tokens
 CACHE_WIDTH_STEP = 100            # with CUDA graphs, estimator caches are padded to a multiple of this (frames)
 HIFT_CACHE_FRAMES = 8             # mel frames re-fed to HiFT for the cross-fade (160 ms)
 CACHE_RECENT_FRAMES = 100         # frames kept besides the prompt when truncating caches
+SOLVE_CNN_ARG, SOLVE_ATT_ARG = 5, 6  # positions of the estimator caches in ``Token2WavEngine.solve``'s arguments
 LAST_CHUNK_GRAPH_ROWS = 2         # with CUDA graphs, last chunks run encoder and HiFT in groups of at most this many
 VOICE_NOISE_SEED = 0x5EED         # noise for the prompt frames of every voice (fixed: voices are shared)
 NOISE_BLOCK_FRAMES = 50           # frame noise is drawn in blocks of this size (chunking-independent)
@@ -544,7 +545,7 @@ class Token2WavEngine:
             by_shape.setdefault(key, []).append(i)
         for members in self._graph_groups(by_shape.values(), last_chunk):
             caches = [states[i].flow_cache for i in members]
-            token_tensor = torch.tensor([tokens[i] for i in members], dtype=torch.long, device=self.device)
+            token_tensor = _to_device(torch.tensor([tokens[i] for i in members], dtype=torch.long), self.device)
             embedded = flow.input_embedding(token_tensor)
             cnn_cache = _stack([c.conformer_cnn for c in caches], 0)
             att_cache = _stack([c.conformer_att for c in caches], 1)
@@ -569,7 +570,7 @@ class Token2WavEngine:
             frames = self.last_chunk_frames
         noises = [s.flow_noise.take(n) for s, n in zip(states, lengths)]
         mu = torch.cat([F.pad(m, (0, frames - m.shape[2])) for m in mus])
-        noise = torch.cat([F.pad(z, (0, frames - z.shape[2])) for z in noises]).to(self.device, self.dtype)
+        noise = _to_device(torch.cat([F.pad(z, (0, frames - z.shape[2])) for z in noises]), self.device).to(self.dtype)
         spks = _stack([s.voice.projected_speaker for s in states], 0)
         rows = batch if self.graphed_solve is None else 1 << (batch - 1).bit_length()
         mu, noise, spks = (_pad_rows(t, 0, rows) for t in (mu, noise, spks))
@@ -581,9 +582,13 @@ class Token2WavEngine:
             mels.append(mel[i:i + 1, :, :lengths[i]].clone())
             if last_chunk:  # the stream ends: its caches are released, not updated
                 continue
+            # This chunk's frames go before the old DiT cache (newest first), cut as upstream cuts, in one
+            # copy; ``truncated`` then cuts the conformer's cache (the DiT's is already short enough).
             state.flow_cache = FlowCache(
-                conformer[i][0], conformer[i][1], _cfg_rows(estimator_cnn, i, rows),
-                torch.cat([_cfg_rows(estimator_att, i, rows), state.flow_cache.estimator_att], dim=4),
+                conformer[i][0], conformer[i][1],
+                _cfg_rows(estimator_cnn, i, rows).clone(memory_format=torch.contiguous_format),
+                prepend_truncated(_cfg_rows(estimator_att, i, rows), state.flow_cache.estimator_att,
+                                  state.voice.prompt_frames, CACHE_RECENT_FRAMES, dim=4),
             ).truncated(state.voice.prompt_frames, CACHE_RECENT_FRAMES)
         return mels
 
@@ -621,19 +626,27 @@ class Token2WavEngine:
         elif rows == 1 and chunk_lengths[0] == frames:
             return caches[0].estimator_cnn, caches[0].estimator_att, None
         first_att, first_cnn = caches[0].estimator_att, caches[0].estimator_cnn
-        att = first_att.new_zeros(*first_att.shape[:2], 2 * rows, first_att.shape[3], width, first_att.shape[5])
-        cnn = first_cnn.new_zeros(*first_cnn.shape[:2], 2 * rows, *first_cnn.shape[3:])
+        att_shape = (*first_att.shape[:2], 2 * rows, first_att.shape[3], width, first_att.shape[5])
+        cnn_shape = (*first_cnn.shape[:2], 2 * rows, *first_cnn.shape[3:])
+        if self.graphed_solve is not None:
+            # Filled in place in the graphs' own input buffers (no copy into them at replay). What this
+            # call does not overwrite is an earlier call's cache: finite values the key mask hides.
+            att = self.graphed_solve.input_buffer(SOLVE_ATT_ARG, att_shape, first_att.dtype, first_att.device)
+            cnn = self.graphed_solve.input_buffer(SOLVE_CNN_ARG, cnn_shape, first_cnn.dtype, first_cnn.device)
+        else:
+            att, cnn = first_att.new_zeros(att_shape), first_cnn.new_zeros(cnn_shape)
         mask = torch.zeros(2 * rows, frames + width, dtype=torch.bool)
         mask[:, :frames] = True   # filler rows: their own chunk only
         for i, (cache, length, chunk) in enumerate(zip(caches, lengths, chunk_lengths)):
-            for half, row in enumerate((i, rows + i)):
-                att[:, :, row, :, :length] = cache.estimator_att[:, :, half]
-                cnn[:, :, row] = cache.estimator_cnn[:, :, half]
+            # Both CFG halves of a stream (rows i and rows + i) in one copy each, through a view.
+            _cfg_rows(att, i, rows)[..., :length, :].copy_(cache.estimator_att)
+            _cfg_rows(cnn, i, rows).copy_(cache.estimator_cnn)
+            for row in (i, rows + i):
                 mask[row, chunk:frames] = False
                 mask[row, frames:frames + length] = True
         if self.graphed_solve is None and bool(mask.all()):
             return cnn, att, None
-        return cnn, att, mask.to(self.device)
+        return cnn, att, _to_device(mask, self.device)
 
     def _encode(self, embedded: torch.Tensor, cnn_cache: torch.Tensor, att_cache: torch.Tensor,
                 last_chunk: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -942,8 +955,20 @@ def _stack(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 def _cfg_rows(batch: torch.Tensor, row: int, rows: int) -> torch.Tensor:
     """Row ``row``'s cond and uncond halves of an estimator cache batch laid out [cond..., uncond...] on
-    axis 2 (``rows`` per half), as that stream's own cache layout (2 on axis 2); a copy."""
-    return torch.cat([batch.narrow(2, row, 1), batch.narrow(2, rows + row, 1)], dim=2)
+    axis 2 (``rows`` per half), in that stream's own cache layout (2 on axis 2): a view of ``batch``."""
+    shape = batch.shape
+    return batch.view(*shape[:2], 2, rows, *shape[3:]).select(3, row)
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a stream sync.
+
+    Why: a blocking host-to-device copy makes PyTorch wait for all queued GPU work first, and the GPU
+    then idles while the host prepares what follows (the noise, the key mask and the tokens of every
+    call did that, measured on an H100). A non-blocking copy from pageable memory is staged by the
+    driver before it returns, so the host tensor may be freed or changed right after.
+    """
+    return tensor.to(device, non_blocking=True)
 
 
 def hift_hyperparams_from_checkpoint(path: Union[str, Path]) -> dict[str, int]:

@@ -61,6 +61,31 @@ class FlowCache:
         return FlowCache(self.conformer_cnn, cut(self.conformer_att, 3), self.estimator_cnn, cut(self.estimator_att, 4))
 
 
+def prepend_truncated(new: torch.Tensor, old: torch.Tensor, prompt_frames: int, recent_frames: int,
+                      dim: int) -> torch.Tensor:
+    """``cat([new, old], dim)`` cut as ``FlowCache.truncated`` cuts it, written in one copy.
+
+    Why: the DiT cache of a stream holds ~0.66 MB per frame in fp16 at the published size; prepending a
+    chunk and then cutting moved it twice (measured on an H100: ~5 ms of a 16-stream first-chunk call).
+    ``new`` and ``old`` may be views (of a batch, of a voice's prompt cache); the result is their own copy.
+    """
+    n, total = new.shape[dim], new.shape[dim] + old.shape[dim]
+    if total <= prompt_frames + recent_frames:
+        return torch.cat([new, old], dim=dim)
+
+    def span(start: int, length: int) -> list[torch.Tensor]:
+        """Entries [start, start + length) of [new, old], as views of each."""
+        pieces = []
+        if start < n:
+            pieces.append(new.narrow(dim, start, min(length, n - start)))
+        if start + length > n:
+            from_old = max(start, n) - n
+            pieces.append(old.narrow(dim, from_old, start + length - n - from_old))
+        return pieces
+
+    return torch.cat(span(0, prompt_frames) + span(total - recent_frames, recent_frames), dim=dim)
+
+
 class CausalMaskedDiffWithXvec(nn.Module):
     def __init__(
         self,

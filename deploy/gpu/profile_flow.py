@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", type=int, default=1, help="1: the engine's compile_fused (fused DiT kernels)")
     parser.add_argument("--kernel-batch", type=int, default=0,
                         help="also profile one eager 100-token feed_many round of this many streams: GPU time per kernel")
+    parser.add_argument("--timeline", default="",
+                        help="e.g. 1,16: after the engine's warm-up (CUDA graphs), profile a first-chunk and a 100-token "
+                             "feed_many round of each many streams: wall vs GPU-busy time, host syncs, top kernels")
+    parser.add_argument("--trace-dir", default="", help="with --timeline: write each round's Chrome trace here")
+    parser.add_argument("--graph-mib", type=int, default=24576)
     args = parser.parse_args(argv)
     device = args.device
     rng = np.random.default_rng(0)
@@ -121,6 +126,15 @@ def main(argv: list[str] | None = None) -> int:
                       "self_cuda_ms": round(cuda_total, 1), "kernel_launches": launches}))
     if args.kernel_batch:
         kernel_table(engine, voice, tokens, args.kernel_batch)
+    if args.timeline:
+        del engine
+        graphed = Token2WavEngine.load(tmp, device=device, dtype=args.dtype, cuda_graphs=True,
+                                       graph_mib=args.graph_mib, compile_fused=bool(args.compile))
+        graphed_voice = graphed.prepare_voice(*prompt)
+        graphed.warm_up(graphed_voice, max_rows=max(int(b) for b in args.timeline.split(",")))
+        print(json.dumps({"part": "warm_up", "graphs": graphed.graph_summary()}))
+        for batch in (int(b) for b in args.timeline.split(",")):
+            timeline(graphed, graphed_voice, tokens, batch, args.trace_dir)
     if args.batches:
         graphed = Token2WavEngine.load(tmp, device=device, dtype=args.dtype, cuda_graphs=True,
                                        compile_fused=bool(args.compile))
@@ -197,6 +211,65 @@ def kernel_table(engine: Token2WavEngine, voice, tokens: list[int], batch: int) 
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]:
         print(json.dumps({"kernel": e.key[:110], "count": e.count, "ms": round(e.self_device_time_total / 1e3, 2),
                           "share": round(e.self_device_time_total / 1e3 / total, 3)}))
+
+
+def timeline(engine: Token2WavEngine, voice, tokens: list[int], batch: int, trace_dir: str) -> None:
+    """Profile the first-chunk and a 100-token ``feed_many`` round of ``batch`` streams on a warm
+    engine: wall time against the time the GPU was busy (the union of kernel, copy and memset
+    intervals), host syncs and host-to-device copies, and the biggest kernels. Idle GPU time inside a
+    call is host work the GPU waited for (after a sync)."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for attempt in range(2):
+        states = [engine.start_stream(voice, seed=100 * attempt + k) for k in range(batch)]
+        at = 0
+        for label, size in (("first", 18), ("25", 25), ("50", 50), ("100", 100)):
+            piece = tokens[at:at + size]
+            at += size
+            run = lambda: engine.feed_many([(st, piece, False) for st in states])  # noqa: E731
+            if attempt == 0 or label not in ("first", "100"):
+                run()
+                continue
+            _sync(engine.device)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                start = time.perf_counter()
+                run()
+                _sync(engine.device)
+                wall_ms = (time.perf_counter() - start) * 1e3
+            os.makedirs(trace_dir or "/tmp", exist_ok=True)
+            path = os.path.join(trace_dir or tempfile.mkdtemp(), f"timeline-{batch}-{label}.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+            gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+            busy, end = 0.0, -1.0
+            for s0, s1 in gpu:
+                if s1 > end:
+                    busy += s1 - max(s0, end)
+                    end = s1
+            host = {}
+            for e in events:
+                if e.get("cat") == "cuda_runtime" and e.get("name") in (
+                        "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaGraphLaunch",
+                        "cudaEventSynchronize", "cudaMemsetAsync"):
+                    count, ms = host.get(e["name"], (0, 0.0))
+                    host[e["name"]] = (count + 1, round(ms + e.get("dur", 0) / 1e3, 2))
+            by_kernel: dict[str, list] = {}
+            for e in events:
+                if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+                    entry = by_kernel.setdefault(e["name"][:90], [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += e["dur"] / 1e3
+            top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:14]
+            print(json.dumps({"part": "timeline", "batch": batch, "round": label, "wall_ms": round(wall_ms, 2),
+                              "gpu_busy_ms": round(busy / 1e3, 2),
+                              "gpu_span_ms": round((gpu[-1][1] - gpu[0][0]) / 1e3, 2) if gpu else 0,
+                              "host_calls": host}))
+            for name, (count, ms) in top:
+                print(json.dumps({"kernel": name, "count": count, "ms": round(ms, 2)}))
 
 
 def batched_rounds(engine: Token2WavEngine, voice, tokens: list[int], batch: int, eager: bool) -> dict:
