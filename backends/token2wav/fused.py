@@ -1,5 +1,4 @@
-"""The DiT step's (and HiFT's Snake) elementwise work as small tensor functions, compiled into fused
-kernels on a GPU.
+"""The DiT step's elementwise work as small tensor functions, compiled into fused kernels on a GPU.
 
 Why: with the GEMMs and attention done by cuBLAS/cuDNN, what was left of a batched estimator step on
 an H100 was memory-bound glue (measured, 16 streams x 100 tokens, eager: copies, layer norms, addcmuls
@@ -140,16 +139,3 @@ def guided_euler_step(x: torch.Tensor, velocity: torch.Tensor, dt: torch.Tensor,
     """x + dt * ((1 + r) * v_cond - r * v_uncond): one Euler step with classifier-free guidance."""
     cond_v, uncond_v = velocity.chunk(2, dim=0)
     return x + dt * ((1.0 + cfg_rate) * cond_v - cfg_rate * uncond_v)
-
-
-@compiled_on_gpu
-def snake(x: torch.Tensor, alpha: torch.Tensor, eps: float) -> torch.Tensor:
-    """HiFT's Snake activation ``x + sin^2(alpha x) / alpha`` (alpha per channel; x (b, channels, t)).
-
-    Why here: eagerly it is five elementwise kernels over the whole waveform-rate tensor, and with the
-    per-channel alpha broadcast PyTorch runs them unvectorised (measured on an H100: ~60 % of the GPU
-    time of a 16-stream 100-token HiFT call went to elementwise kernels, mostly Snake's); compiled, one
-    read and one write.
-    """
-    alpha = alpha[None, :, None]
-    return x + (1.0 / (alpha + eps)) * torch.sin(x * alpha).pow(2)

@@ -42,7 +42,6 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
-from backends.token2wav import fused
 from backends.token2wav.hift_cuda_graph import GraphedDecode
 
 # The published Step-Audio2 hift.pt uses the reference defaults.
@@ -92,7 +91,8 @@ class Snake(nn.Module):
         self.eps = 1e-9
 
     def forward(self, x: Tensor) -> Tensor:
-        return fused.snake(x, self.alpha, self.eps)
+        alpha = self.alpha[None, :, None]
+        return x + (1.0 / (alpha + self.eps)) * torch.sin(x * alpha).pow(2)
 
 
 class ResBlock(nn.Module):
