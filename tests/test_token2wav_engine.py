@@ -413,22 +413,6 @@ def test_plan_chunks_uses_canonical_sizes(engine, started, pending, final, chunk
         assert pending - consumed >= 3   # the lookahead always stays
 
 
-def test_graph_input_buffer_is_shared_per_argument_and_shape_and_counted():
-    """The solve's caches are written straight into the graphs' input buffers: one zeroed buffer per
-    (argument, shape, dtype), the same object every time, its bytes counted against the budget."""
-    from backends.token2wav.cuda_graph import GraphedCall
-
-    graphed = GraphedCall(lambda *args: args)
-    first = graphed.input_buffer(6, (2, 3, 4), torch.float16, torch.device("cpu"))
-    assert first.shape == (2, 3, 4) and first.dtype == torch.float16 and not first.any()
-    first.fill_(1)
-    assert graphed.input_buffer(6, (2, 3, 4), torch.float16, torch.device("cpu")) is first
-    assert graphed.graph_bytes == first.numel() * 2
-    other = graphed.input_buffer(6, (2, 3, 8), torch.float16, torch.device("cpu"))
-    assert other is not first and graphed.graph_bytes == (24 + 48) * 2
-    assert graphed.input_buffer(5, (2, 3, 4), torch.float16, torch.device("cpu")) is not first
-
-
 @pytest.mark.parametrize("padded", [False, True], ids=["exact-batches", "padded-batches"])
 def test_streams_at_different_schedule_points_share_one_solve(engine, voice, other_voice, padded, request):
     """Stream b starts one call after stream a (and has a voice of another prompt length), so their
