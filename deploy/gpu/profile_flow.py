@@ -238,13 +238,14 @@ def timeline(engine: Token2WavEngine, voice, tokens: list[int], batch: int, trac
                 run()
                 _sync(engine.device)
                 wall_ms = (time.perf_counter() - start) * 1e3
-            os.makedirs(trace_dir or "/tmp", exist_ok=True)
-            path = os.path.join(trace_dir or tempfile.mkdtemp(), f"timeline-{batch}-{label}.json")
+            directory = trace_dir or tempfile.mkdtemp()
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, f"timeline-{batch}-{label}.json")
             prof.export_chrome_trace(path)
             with open(path) as f:
                 events = json.load(f)["traceEvents"]
-            gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+            on_gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+            gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in on_gpu)
             busy, end = 0.0, -1.0
             for s0, s1 in gpu:
                 if s1 > end:
@@ -258,11 +259,10 @@ def timeline(engine: Token2WavEngine, voice, tokens: list[int], batch: int, trac
                     count, ms = host.get(e["name"], (0, 0.0))
                     host[e["name"]] = (count + 1, round(ms + e.get("dur", 0) / 1e3, 2))
             by_kernel: dict[str, list] = {}
-            for e in events:
-                if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-                    entry = by_kernel.setdefault(e["name"][:90], [0, 0.0])
-                    entry[0] += 1
-                    entry[1] += e["dur"] / 1e3
+            for e in on_gpu:
+                entry = by_kernel.setdefault(e["name"][:90], [0, 0.0])
+                entry[0] += 1
+                entry[1] += e["dur"] / 1e3
             top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:14]
             print(json.dumps({"part": "timeline", "batch": batch, "round": label, "wall_ms": round(wall_ms, 2),
                               "gpu_busy_ms": round(busy / 1e3, 2),
