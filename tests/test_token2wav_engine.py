@@ -140,9 +140,14 @@ def test_seed_changes_output_and_same_seed_reproduces(engine, voice):
 
 
 def test_voice_is_not_modified_by_streams(engine, voice):
-    before = voice.prompt_cache.estimator_att.clone()
-    _run_stream(engine, voice, _tokens(60), [18, 42])
-    assert torch.equal(before, voice.prompt_cache.estimator_att)
+    before = [t.clone() for t in voice.prompt_cache.tensors()]
+    entries = voice.prompt_cache.estimator_att.entries
+    state = engine.start_stream(voice)
+    assert state.flow_cache.estimator_att.kv is not voice.prompt_cache.estimator_att.kv   # written in place: its own
+    engine.feed(state, _tokens(60)[:18], final=False)
+    engine.feed(state, _tokens(60)[18:], final=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, voice.prompt_cache.tensors()))
+    assert voice.prompt_cache.estimator_att.entries == entries
 
 
 @pytest.mark.parametrize("bad", [[1, 6561], [-1], [2.5, 3.0], [[1, 2], [3, 4]]])
@@ -221,6 +226,32 @@ def test_offline_synthesis_length_and_closeness_to_streaming(engine, voice):
     assert ((other_mel - offline_mel).pow(2).mean().sqrt() / offline_mel.std()).item() > 5 * relative
 
 
+def test_streaming_mels_equal_upstreams_prepend_and_cut_caches(engine, voice):
+    """The engine's chunks (DiT cache in a ring, written in place) against the flow run as upstream runs
+    it (each chunk's cache prepended, then cut by ``FlowCache.truncated``), same voice, tokens and noise,
+    past the cut and with chunks longer than the prompt (200 frames vs 60): the same mels up to the
+    rounding of a different key order."""
+    flow, tokens = engine.flow, _tokens(600, seed=11)
+    state = engine.start_stream(voice, seed=4)
+    noise = FrameNoise(4)   # the stream's own noise, drawn in the same order
+    pad = torch.full((1, engine.lookahead), 4218)
+    cache = flow.setup_cache(torch.cat([voice.prompt_tokens, pad], dim=1), voice.prompt_mel, voice.speaker_embedding,
+                             engine._fixed_noise(voice.prompt_noise), engine.n_timesteps)
+    done, sizes = 0, [15, 25, 25, 50, 100, 100, 25, 25, 25, 100]
+    for index, size in enumerate(sizes + [None]):
+        last = size is None
+        window = tokens[done:] if last else tokens[done:done + size + engine.lookahead]
+        mine = engine._flow_chunk(state, window, last)
+        theirs, cache = flow.inference_chunk(torch.tensor([window]), voice.speaker_embedding, cache, last,
+                                             lambda offset, frames: noise.take(frames), engine.n_timesteps)
+        cache = cache.truncated(voice.prompt_frames)
+        assert mine.shape == theirs.shape
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0, msg=f"chunk {index}")
+        done += 0 if last else size
+    assert cache.estimator_att.shape[4] == voice.prompt_frames + 100   # the cut was reached
+    assert state.flow_cache.estimator_att.entries > 4 * (voice.prompt_frames + 100)   # and the ring went round
+
+
 def test_two_minute_stream_keeps_state_bounded(engine, voice):
     """3000 tokens = 120 s of audio in 100-token chunks: caches stay at prompt + 100 frames (+ chunk)."""
     state = engine.start_stream(voice, seed=9)
@@ -233,7 +264,9 @@ def test_two_minute_stream_keeps_state_bounded(engine, voice):
         total += engine.feed(state, tokens[at:at + 100], final=False).size
         at += 100
         sizes_seen.append(engine.state_nbytes(state))
-        assert state.flow_cache.estimator_att.shape[4] <= prompt_frames + 100
+        start, stop = state.flow_cache.estimator_att.held_positions()
+        assert stop - start == prompt_frames + 100   # every chunk of this stream went past the limit
+        assert state.flow_cache.estimator_att.kv.shape[4] == engine.cache_width(prompt_frames)
         assert state.flow_cache.conformer_att.shape[3] <= prompt_frames + 100
     tail = engine.feed(state, tokens[at:], final=True)
     assert np.isfinite(tail).all()
@@ -244,9 +277,11 @@ def test_two_minute_stream_keeps_state_bounded(engine, voice):
 
 def test_state_nbytes_counts_the_stream_caches(engine, voice):
     state = engine.start_stream(voice)
-    empty = engine.state_nbytes(state)
+    started = engine.state_nbytes(state)
+    assert started > state.flow_cache.estimator_att.nbytes()   # the ring is the stream's own from the start
     engine.feed(state, _tokens(40), final=False)
-    assert engine.state_nbytes(state) > empty + state.flow_cache.estimator_att.numel() * 4 - 1
+    # then the conformer's caches too (shared with the voice until the first chunk)
+    assert engine.state_nbytes(state) > started + state.flow_cache.conformer_att.numel() * 4 - 1
 
 
 def test_bfloat16_engine_runs(model_dir, single_thread):
@@ -334,6 +369,10 @@ def test_graph_input_buffer_is_shared_per_argument_and_shape_and_counted():
     other = graphed.input_buffer(6, (2, 3, 8), torch.float16, torch.device("cpu"))
     assert other is not first and graphed.graph_bytes == (24 + 48) * 2
     assert graphed.input_buffer(5, (2, 3, 4), torch.float16, torch.device("cpu")) is not first
+    # laid out as asked: dimension 1 outermost, each of its rows one contiguous block
+    row_major = graphed.input_buffer(4, (2, 3, 4), torch.float16, torch.device("cpu"), memory_order=(1, 0, 2))
+    assert row_major.shape == (2, 3, 4) and row_major.stride() == (4, 8, 1) and not row_major.any()
+    assert row_major[:, 1].is_contiguous()
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["exact-batches", "padded-batches"])

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from backends.token2wav.config import build_flow_from_yaml, flow_yaml_text, load_flow, parse_flow_yaml
-from backends.token2wav.flow import FlowCache, prepend_truncated
+from backends.token2wav.dit_cache import DiTCacheRing
+from backends.token2wav.flow import FlowCache
 from backends.token2wav.tiny import write_token2wav_dir
 
 FIXTURE = Path(__file__).parent / "golden" / "fixtures" / "flow_tiny.pt"
@@ -41,7 +42,7 @@ def flow(reference, request):
     model.load_state_dict(reference["state_dict"], strict=True)
     if request.param == "frozen":
         model.decoder.freeze(reference["n_timesteps"])
-        assert model.decoder.estimator.blocks[0].attn.qk_weight is not None
+        assert model.decoder.estimator.blocks[0].attn.qkv_weight is not None
         # what freeze derives is not part of the checkpoint layout
         assert set(model.state_dict()) == set(reference["state_dict"])
     return model
@@ -88,22 +89,38 @@ def test_streaming_chunks_match_reference_including_cache_truncation(flow, refer
     assert max(reference["cache_lens"].tolist()) == prompt_frames + 100
 
 
-@pytest.mark.parametrize("new_frames", [1, 30, 99, 100, 150, 200, 250, 400])
-@pytest.mark.parametrize("old_frames", [0, 50, 200, 300, 301, 400])
-def test_prepend_truncated_equals_prepending_then_truncating(new_frames, old_frames):
-    """The engine's one-copy cache update keeps exactly the frames upstream keeps (cat, then cut),
-    from views of a batch (the new frames) and of a cache, for chunks shorter and longer than the
-    prompt and caches below, at and above the limit."""
-    prompt_frames, recent = 300, 100
-    batch = torch.randn(2, 3, 4, 5, new_frames, 6)   # (steps, depth, 2 x rows, heads, frames, 2d): 2 rows
-    new = batch.view(2, 3, 2, 2, 5, new_frames, 6).select(3, 1)   # row 1's cond and uncond halves
-    old = torch.randn(2, 3, 2, 5, old_frames, 6)
-    empty = torch.empty(1, 1, 1, 0)   # no conformer cache to cut here
-    expected = FlowCache(empty, empty, empty, torch.cat([new, old], dim=4)).truncated(prompt_frames, recent)
-    got = prepend_truncated(new, old, prompt_frames, recent, dim=4)
-    assert torch.equal(got, expected.estimator_att)
-    assert got.shape[4] == min(new_frames + old_frames, prompt_frames + recent)
-    assert got.data_ptr() not in (new.data_ptr(), old.data_ptr())   # the stream's own copy, never a view
+def _entry_ids(frames: int, first: int) -> torch.Tensor:
+    """A chunk (1 step, 1 block, 2 halves, 1 head, frames, 2) of keys/values that name their frame: ids
+    ``first`` ... in frame order, negated in the uncond half (so the halves cannot be swapped unnoticed)."""
+    ids = torch.arange(first, first + frames, dtype=torch.float64)
+    return torch.stack([ids, -ids]).reshape(1, 1, 2, 1, frames, 1).expand(-1, -1, -1, -1, -1, 2)
+
+
+@pytest.mark.parametrize("prompt_frames", [2, 60, 100, 150, 300])
+@pytest.mark.parametrize("chunks", [[36, 50, 50, 50, 50, 50, 50, 50, 50, 50], [36, 200, 200, 200, 6],
+                                    [1, 2, 3, 400, 7, 99, 301, 50, 1, 1, 1], [250, 250], [10] * 60])
+def test_dit_cache_ring_keeps_what_upstream_keeps(prompt_frames, chunks):
+    """The engine's ring holds exactly the entries upstream's prepend-then-cut keeps (up to their order,
+    which the DiT's attention does not see), for prompts shorter and longer than the 100 recent frames,
+    chunks longer than the prompt, many chunks around the ring, and both CFG halves."""
+    recent = 100
+    upstream = _entry_ids(prompt_frames, 0)
+    ring = DiTCacheRing.from_prompt(upstream, width=prompt_frames + recent + 37, recent_frames=recent)
+    first = prompt_frames
+    for frames in chunks:
+        chunk = _entry_ids(frames, first)
+        first += frames
+        empty = torch.empty(1, 1, 1, 0)   # no conformer cache to cut here
+        upstream = FlowCache(empty, empty, empty, torch.cat([chunk, upstream], dim=4)).truncated(
+            prompt_frames, recent).estimator_att
+        ring.add(chunk.movedim(2, 0))
+        kept = ring.kept()
+        assert kept.shape == upstream.shape
+        for half in range(2):
+            assert torch.equal(kept[0, 0, half, 0, :, 0].sort().values, upstream[0, 0, half, 0, :, 0].sort().values)
+        assert torch.equal(kept[..., 0], kept[..., 1])
+    start, _ = ring.held_positions()
+    assert not ring.kv[..., :start, :].any() and not ring.kv[..., ring.limit:, :].any()   # never written: zeros
 
 
 def test_tiny_dir_loads_strictly_in_published_layout(tmp_path):

@@ -70,6 +70,14 @@ def room_to_capture(device: torch.device, needed: int = 0) -> bool:
     return free + unused >= needed + CAPTURE_HEADROOM
 
 
+def zeros_in_memory_order(shape: tuple[int, ...], order: tuple[int, ...], dtype: torch.dtype,
+                          device: torch.device) -> Tensor:
+    """Zeros of ``shape`` whose dimensions lie in memory in ``order`` (outermost first): a permuted view
+    of a contiguous allocation (``order`` = 0, 1, ... is an ordinary contiguous tensor)."""
+    physical = torch.zeros(tuple(shape[d] for d in order), dtype=dtype, device=device)
+    return physical.permute(tuple(order.index(d) for d in range(len(order))))
+
+
 class GraphedCall:
     """``fn(*args)`` replayed from a CUDA graph per shape of its tensor arguments (eager on the CPU)."""
 
@@ -135,7 +143,8 @@ class GraphedCall:
             self.replays += 1
             return captured.outputs
 
-    def input_buffer(self, position: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    def input_buffer(self, position: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                     memory_order: tuple[int, ...] | None = None) -> Tensor:
         """The shared static buffer for argument ``position`` of this shape, for the caller to fill in place
         and pass as that argument: the replay then skips copying it in.
 
@@ -143,13 +152,15 @@ class GraphedCall:
         fp16 on the published size); assembling the batch elsewhere and copying it in moved it twice
         (measured on an H100: ~3 ms of a 16-stream first-chunk call, plus zeroing the batch). A new
         buffer is zeros and counts against ``max_bytes``; what it holds between calls is the previous
-        caller's data (the caller masks what it does not overwrite).
+        caller's data (the caller masks what it does not overwrite). ``memory_order``: how its dimensions
+        lie in memory (``zeros_in_memory_order``); one caller of a buffer always asks for the same.
         """
         key = (position, tuple(shape), dtype, device)
         with self._lock:
             buffer = self._statics.get(key)
             if buffer is None:
-                buffer = self._statics[key] = torch.zeros(shape, dtype=dtype, device=device)
+                order = memory_order or tuple(range(len(shape)))
+                buffer = self._statics[key] = zeros_in_memory_order(shape, order, dtype, device)
                 self.graph_bytes += _nbytes(buffer)
             return buffer
 

@@ -17,8 +17,9 @@ Streaming rules:
 - Every synthesised token gives 2 mel frames = 960 samples. HiFT output is held back by 8 mel frames
   (3840 samples) to cross-fade with the next call (Hamming window, as upstream), so a stream of N tokens
   yields exactly N * 960 samples in total once flushed.
-- Attention caches are truncated after each chunk exactly as upstream does (``FlowCache.truncated``)
-  so memory per stream is bounded however long the utterance is.
+- Attention caches keep exactly the frames upstream keeps after each chunk (``FlowCache.truncated``;
+  the DiT's in a fixed-width ring, ``DiTCacheRing``), so memory per stream is bounded however long the
+  utterance is.
 
 Noise and independence: the flow's starting noise is drawn per absolute mel frame from a generator
 owned by the stream (seeded by ``seed``), in fixed 50-frame blocks, so output does not depend on the
@@ -43,8 +44,9 @@ import torch.nn.functional as F
 
 from backends.token2wav import fused
 from backends.token2wav.config import load_flow
-from backends.token2wav.cuda_graph import GraphedCall
-from backends.token2wav.flow import CausalMaskedDiffWithXvec, FlowCache, prepend_truncated
+from backends.token2wav.cuda_graph import GraphedCall, zeros_in_memory_order
+from backends.token2wav.dit_cache import DiTCacheRing
+from backends.token2wav.flow import CausalMaskedDiffWithXvec, keep_prompt_and_recent
 from backends.token2wav.hift import HiFTGenerator, load_hift
 
 SAMPLE_RATE = 24000
@@ -53,10 +55,13 @@ SILENCE_TOKEN = 4218              # Step-Audio2's lookahead pad when preparing a
 FIRST_CHUNK_TOKENS = 15           # tokens synthesised by the first streaming call (+ lookahead)
 CHUNK_QUANTUM_TOKENS = 25         # later chunks are multiples of this (see plan_chunks) ...
 MAX_CHUNK_TOKENS = 100            # ... of at most this many tokens
-CACHE_WIDTH_STEP = 100            # with CUDA graphs, estimator caches are padded to a multiple of this (frames)
+CACHE_WIDTH_STEP = 100            # DiT cache rings are a multiple of this wide (frames): few solve shapes
 HIFT_CACHE_FRAMES = 8             # mel frames re-fed to HiFT for the cross-fade (160 ms)
 CACHE_RECENT_FRAMES = 100         # frames kept besides the prompt when truncating caches
 SOLVE_CNN_ARG, SOLVE_ATT_ARG = 5, 6  # positions of the estimator caches in ``Token2WavEngine.solve``'s arguments
+#: How the solve's batch of attention caches (steps, depth, 2*rows, heads, width, 2*head_dim) lies in memory,
+#: outermost dimension first: row-major, each row's (steps, depth, heads, width, 2*head_dim) contiguous.
+SOLVE_ATT_ORDER = (2, 0, 1, 3, 4, 5)
 LAST_CHUNK_GRAPH_ROWS = 2         # with CUDA graphs, last chunks run encoder and HiFT in groups of at most this many
 VOICE_NOISE_SEED = 0x5EED         # noise for the prompt frames of every voice (fixed: voices are shared)
 NOISE_BLOCK_FRAMES = 50           # frame noise is drawn in blocks of this size (chunking-independent)
@@ -129,6 +134,24 @@ class FrameNoise:
         return frames.t().unsqueeze(0).contiguous()
 
 
+@dataclass
+class StreamCaches:
+    """The flow's streaming caches as the engine keeps them: the conformer's and the DiT convs' in
+    upstream's layout (``FlowCache``), the DiT attention's as a ``DiTCacheRing``. A stream's caches are
+    its own tensors (never views of a batch), except those it still shares with its voice."""
+
+    conformer_cnn: torch.Tensor    # (1, C, 2 + 2*up_stride)
+    conformer_att: torch.Tensor    # (blocks + up_blocks, 1, heads, T, 2*d_k), oldest first
+    estimator_cnn: torch.Tensor    # (steps, depth, 2, 2*hidden, 2)
+    estimator_att: DiTCacheRing
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.conformer_cnn, self.conformer_att, self.estimator_cnn, self.estimator_att.kv
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
 @dataclass(frozen=True)
 class VoiceConditioning:
     """Everything reusable for one voice; read-only after prepare_voice, safe to share between streams."""
@@ -138,7 +161,7 @@ class VoiceConditioning:
     speaker_embedding: torch.Tensor    # (1, 192), device, model dtype
     projected_speaker: torch.Tensor    # (1, 80), device, model dtype
     prompt_noise: torch.Tensor         # (1, 80, 2*Tp) float32 CPU: the noise used for the prompt frames
-    prompt_cache: FlowCache            # flow caches after the prompt (+ lookahead pad)
+    prompt_cache: StreamCaches         # flow caches after the prompt (+ lookahead pad); streams copy the ring
     lookahead_pad: str                 # "silence" or "repeat"
 
     @property
@@ -158,7 +181,7 @@ class StreamState:
     seed: int
     flow_noise: FrameNoise
     hift_generator: torch.Generator
-    flow_cache: Optional[FlowCache]
+    flow_cache: Optional[StreamCaches]
     pending: list[int] = field(default_factory=list)   # fed but not yet synthesised (incl. lookahead)
     started: bool = False                               # first chunk synthesised
     finished: bool = False
@@ -202,7 +225,7 @@ class Token2WavEngine:
         # set_compute_dtype casts only the rest.
         self.hift = hift.to(device=self.device).set_compute_dtype(self.dtype).eval()
         self.n_timesteps = n_timesteps
-        # Per-step timestep modulations and stacked q/k weights, computed once instead of in every solve.
+        # Per-step timestep modulations and stacked q/k/v weights, computed once instead of in every solve.
         self.flow.decoder.freeze(n_timesteps)
         self.mel_channels = self.flow.output_size
         self.lookahead = self.flow.pre_lookahead_len
@@ -292,8 +315,10 @@ class Token2WavEngine:
             torch.cat([prompt, torch.tensor([pad], dtype=torch.long, device=self.device)], dim=1),
             mel_dev, spk_dev, self._fixed_noise(prompt_noise), self.n_timesteps,
         )
+        ring = DiTCacheRing.from_prompt(cache.estimator_att, self.cache_width(want), CACHE_RECENT_FRAMES)
+        caches = StreamCaches(cache.conformer_cnn, cache.conformer_att, cache.estimator_cnn, ring)
         return VoiceConditioning(prompt, mel_dev, spk_dev, self.flow.project_speaker(spk_dev), prompt_noise,
-                                 cache, lookahead_pad)
+                                 caches, lookahead_pad)
 
     # ---- streaming ----
 
@@ -305,7 +330,9 @@ class Token2WavEngine:
             # a different stream of numbers than the flow noise, still a function of the seed only
             # on the engine's device: drawing NSF noise on the host and copying costs ms per chunk on a GPU
             hift_generator=torch.Generator(device=self.device).manual_seed(int(seed) ^ 0x48494654),
-            flow_cache=voice.prompt_cache,
+            # The conformer and conv caches are replaced after each chunk: shared with the voice until
+            # then. The DiT ring is written in place: the stream's own copy from the start.
+            flow_cache=dataclasses.replace(voice.prompt_cache, estimator_att=voice.prompt_cache.estimator_att.copy()),
         )
 
     @torch.inference_mode()
@@ -480,8 +507,10 @@ class Token2WavEngine:
     def state_nbytes(self, state: StreamState) -> int:
         """Approximate bytes held by this stream alone (the shared voice is not counted)."""
         held = 0
-        if state.flow_cache is not None and state.flow_cache is not state.voice.prompt_cache:
-            held += state.flow_cache.nbytes()
+        if state.flow_cache is not None:
+            shared = state.voice.prompt_cache.tensors()
+            held += sum(t.numel() * t.element_size() for t, voices in zip(state.flow_cache.tensors(), shared)
+                        if t is not voices)
         for tensor in (state.hift_mel, state.hift_source, state.hift_speech, state.flow_noise.buffer):
             if tensor is not None:
                 held += tensor.numel() * tensor.element_size()
@@ -523,15 +552,16 @@ class Token2WavEngine:
         longest, with CUDA graphs to ``last_chunk_frames``: nothing after a last chunk reads its caches,
         so only its attention keys need masking). The conformer encoder runs once per group of streams
         with equal token counts and cache shapes (its relative-position attention needs them equal; it
-        is the cheap part). The estimator caches are padded to one length and masked, so streams at
-        different points of the schedule, or with voices of different prompt lengths, share the solve.
-        With CUDA graphs that length is the longest a cache of these voices can get (prompt frames +
-        CACHE_RECENT_FRAMES) rounded up to CACHE_WIDTH_STEP, and the batch is padded to a power of two
-        with zero rows (their output is dropped): a few graphs serve every mix of streams.
+        is the cheap part). The estimator caches (rings of ``cache_width``: the longest a cache of the voice
+        can get, prompt frames + CACHE_RECENT_FRAMES, rounded up to CACHE_WIDTH_STEP) are padded to the
+        widest and masked, so streams at different points of the schedule, or with voices of different
+        prompt lengths, share the solve. With CUDA graphs the batch is padded to a power of two with zero
+        rows (their output is dropped): a few graphs serve every mix of streams.
 
         Batch layout of the estimator caches: the CFG halves as [cond of every row, uncond of every row]
         on axis 2, the layout the solver uses. Each stream then gets its own copy of its rows (never a
-        view of the batch, nor of a CUDA graph's static output), truncated as upstream does.
+        view of the batch, nor of a CUDA graph's static output): the conformer's cut as upstream cuts it,
+        the DiT's new frames written into its ring.
         """
         flow, batch = self.flow, len(states)
         if not last_chunk and len({len(t) for t in tokens}) > 1:
@@ -582,14 +612,14 @@ class Token2WavEngine:
             mels.append(mel[i:i + 1, :, :lengths[i]].clone())
             if last_chunk:  # the stream ends: its caches are released, not updated
                 continue
-            # This chunk's frames go before the old DiT cache (newest first), cut as upstream cuts, in one
-            # copy; ``truncated`` then cuts the conformer's cache (the DiT's is already short enough).
-            state.flow_cache = FlowCache(
-                conformer[i][0], conformer[i][1],
+            ring = state.flow_cache.estimator_att
+            ring.add(_cfg_rows(estimator_att, i, rows).movedim(2, 0)[..., :lengths[i], :])
+            state.flow_cache = StreamCaches(
+                conformer[i][0],
+                keep_prompt_and_recent(conformer[i][1], 3, state.voice.prompt_frames, CACHE_RECENT_FRAMES),
                 _cfg_rows(estimator_cnn, i, rows).clone(memory_format=torch.contiguous_format),
-                prepend_truncated(_cfg_rows(estimator_att, i, rows), state.flow_cache.estimator_att,
-                                  state.voice.prompt_frames, CACHE_RECENT_FRAMES, dim=4),
-            ).truncated(state.voice.prompt_frames, CACHE_RECENT_FRAMES)
+                ring,
+            )
         return mels
 
     def _graph_groups(self, groups: Iterable[list[int]], last_chunk: bool) -> Iterator[list[int]]:
@@ -606,7 +636,7 @@ class Token2WavEngine:
                 yield members[at:at + limit]
 
     def cache_width(self, prompt_frames: int) -> int:
-        """Estimator cache length every chunk of a voice is padded to with CUDA graphs."""
+        """Width of a voice's DiT cache ring (``DiTCacheRing``): what every chunk of it attends over."""
         longest = prompt_frames + CACHE_RECENT_FRAMES
         return -(-longest // CACHE_WIDTH_STEP) * CACHE_WIDTH_STEP
 
@@ -614,36 +644,42 @@ class Token2WavEngine:
                          frames: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """The estimator caches of ``states`` as one batch of ``rows`` rows: (cnn, att, key mask).
 
-        Caches are padded with zeros to a common length; the key mask (2*rows, frames + length) marks
-        the real frames of each row's chunk and cache (None when nothing is padded and no CUDA graph
-        needs a fixed argument list).
+        att (steps, depth, 2*rows, heads, width, 2*head_dim) is stored row-major (``SOLVE_ATT_ORDER``), so
+        each stream's ring copies in as two contiguous blocks (its cond and uncond rows); the key mask
+        (2*rows, frames + width) marks the real frames of each row's chunk and the entries its ring holds
+        (None when all are real and no CUDA graph needs a fixed argument list).
         """
         caches = [s.flow_cache for s in states]
-        lengths = [int(c.estimator_att.shape[4]) for c in caches]
-        width = max(lengths)
-        if self.graphed_solve is not None:
-            width = max(width, max(self.cache_width(s.voice.prompt_frames) for s in states))
-        elif rows == 1 and chunk_lengths[0] == frames:
-            return caches[0].estimator_cnn, caches[0].estimator_att, None
-        first_att, first_cnn = caches[0].estimator_att, caches[0].estimator_cnn
-        att_shape = (*first_att.shape[:2], 2 * rows, first_att.shape[3], width, first_att.shape[5])
-        cnn_shape = (*first_cnn.shape[:2], 2 * rows, *first_cnn.shape[3:])
-        if self.graphed_solve is not None:
-            # Filled in place in the graphs' own input buffers (no copy into them at replay). What this
-            # call does not overwrite is an earlier call's cache: finite values the key mask hides.
-            att = self.graphed_solve.input_buffer(SOLVE_ATT_ARG, att_shape, first_att.dtype, first_att.device)
-            cnn = self.graphed_solve.input_buffer(SOLVE_CNN_ARG, cnn_shape, first_cnn.dtype, first_cnn.device)
+        rings = [c.estimator_att for c in caches]
+        if self.graphed_solve is None and rows == 1:
+            # One stream, eagerly: the solve reads the ring itself (it only reads the cache).
+            att = rings[0].kv.movedim(0, 2)
+            cnn = caches[0].estimator_cnn
         else:
-            att, cnn = first_att.new_zeros(att_shape), first_cnn.new_zeros(cnn_shape)
-        mask = torch.zeros(2 * rows, frames + width, dtype=torch.bool)
+            first_att, first_cnn = rings[0].kv, caches[0].estimator_cnn
+            att_shape = (*first_att.shape[1:3], 2 * rows, first_att.shape[3], max(r.width for r in rings),
+                         first_att.shape[5])
+            cnn_shape = (*first_cnn.shape[:2], 2 * rows, *first_cnn.shape[3:])
+            if self.graphed_solve is not None:
+                # Filled in place in the graphs' own input buffers (no copy into them at replay). What this
+                # call does not overwrite is an earlier call's cache: finite values the key mask hides.
+                att = self.graphed_solve.input_buffer(SOLVE_ATT_ARG, att_shape, first_att.dtype, first_att.device,
+                                                      memory_order=SOLVE_ATT_ORDER)
+                cnn = self.graphed_solve.input_buffer(SOLVE_CNN_ARG, cnn_shape, first_cnn.dtype, first_cnn.device)
+            else:
+                att = zeros_in_memory_order(att_shape, SOLVE_ATT_ORDER, first_att.dtype, first_att.device)
+                cnn = first_cnn.new_zeros(cnn_shape)
+            for i, (cache, ring) in enumerate(zip(caches, rings)):
+                # Both CFG halves of a stream (rows i and rows + i) in one copy each, through a view.
+                _cfg_rows(att, i, rows).movedim(2, 0)[..., :ring.width, :].copy_(ring.kv)
+                _cfg_rows(cnn, i, rows).copy_(cache.estimator_cnn)
+        mask = torch.zeros(2 * rows, frames + att.shape[4], dtype=torch.bool)
         mask[:, :frames] = True   # filler rows: their own chunk only
-        for i, (cache, length, chunk) in enumerate(zip(caches, lengths, chunk_lengths)):
-            # Both CFG halves of a stream (rows i and rows + i) in one copy each, through a view.
-            _cfg_rows(att, i, rows)[..., :length, :].copy_(cache.estimator_att)
-            _cfg_rows(cnn, i, rows).copy_(cache.estimator_cnn)
+        for i, (ring, chunk) in enumerate(zip(rings, chunk_lengths)):
+            start, stop = ring.held_positions()
             for row in (i, rows + i):
                 mask[row, chunk:frames] = False
-                mask[row, frames:frames + length] = True
+                mask[row, frames + start:frames + stop] = True
         if self.graphed_solve is None and bool(mask.all()):
             return cnn, att, None
         return cnn, att, _to_device(mask, self.device)

@@ -42,48 +42,24 @@ class FlowCache:
                    (self.conformer_cnn, self.conformer_att, self.estimator_cnn, self.estimator_att))
 
     def truncated(self, prompt_frames: int, recent_frames: int = 100) -> "FlowCache":
-        """Bound the attention caches as the reference wrapper does after every chunk.
+        """Bound the attention caches as the reference wrapper does after every chunk (``keep_prompt_and_recent``).
 
-        Keeps slice [:prompt_frames] and [-recent_frames:] of the time axis once it is longer than
-        prompt_frames + recent_frames. Note the layouts: the conformer cache is oldest-first (so this
-        keeps the prompt and the newest frames), the DiT cache is newest-first (so this keeps the newest
-        prompt_frames frames and the 100 oldest, i.e. the prompt's tail). We reproduce that exactly so
-        output matches the reference; either way memory stays bounded for arbitrarily long streams.
+        Note the layouts: the conformer cache is oldest-first (so this keeps the prompt and the newest
+        frames), the DiT cache is newest-first by chunk (so this keeps the newest prompt_frames entries and
+        the 100 oldest, i.e. the prompt's tail). We reproduce that exactly so output matches the
+        reference; either way memory stays bounded for arbitrarily long streams.
         """
-        limit = prompt_frames + recent_frames
-
-        def cut(cache: torch.Tensor, dim: int) -> torch.Tensor:
-            if cache.shape[dim] <= limit:
-                return cache
-            return torch.cat([cache.narrow(dim, 0, prompt_frames),
-                              cache.narrow(dim, cache.shape[dim] - recent_frames, recent_frames)], dim=dim)
-
-        return FlowCache(self.conformer_cnn, cut(self.conformer_att, 3), self.estimator_cnn, cut(self.estimator_att, 4))
+        return FlowCache(self.conformer_cnn, keep_prompt_and_recent(self.conformer_att, 3, prompt_frames, recent_frames),
+                         self.estimator_cnn, keep_prompt_and_recent(self.estimator_att, 4, prompt_frames, recent_frames))
 
 
-def prepend_truncated(new: torch.Tensor, old: torch.Tensor, prompt_frames: int, recent_frames: int,
-                      dim: int) -> torch.Tensor:
-    """``cat([new, old], dim)`` cut as ``FlowCache.truncated`` cuts it, written in one copy.
-
-    Why: the DiT cache of a stream holds ~0.66 MB per frame in fp16 at the published size; prepending a
-    chunk and then cutting moved it twice (measured on an H100: ~5 ms of a 16-stream first-chunk call).
-    ``new`` and ``old`` may be views (of a batch, of a voice's prompt cache); the result is their own copy.
-    """
-    n, total = new.shape[dim], new.shape[dim] + old.shape[dim]
-    if total <= prompt_frames + recent_frames:
-        return torch.cat([new, old], dim=dim)
-
-    def span(start: int, length: int) -> list[torch.Tensor]:
-        """Entries [start, start + length) of [new, old], as views of each."""
-        pieces = []
-        if start < n:
-            pieces.append(new.narrow(dim, start, min(length, n - start)))
-        if start + length > n:
-            from_old = max(start, n) - n
-            pieces.append(old.narrow(dim, from_old, start + length - n - from_old))
-        return pieces
-
-    return torch.cat(span(0, prompt_frames) + span(total - recent_frames, recent_frames), dim=dim)
+def keep_prompt_and_recent(cache: torch.Tensor, dim: int, prompt_frames: int, recent_frames: int) -> torch.Tensor:
+    """Upstream's cut of an attention cache: once longer than prompt_frames + recent_frames along
+    ``dim``, its first prompt_frames and last recent_frames entries; else ``cache`` itself."""
+    if cache.shape[dim] <= prompt_frames + recent_frames:
+        return cache
+    return torch.cat([cache.narrow(dim, 0, prompt_frames),
+                      cache.narrow(dim, cache.shape[dim] - recent_frames, recent_frames)], dim=dim)
 
 
 class CausalMaskedDiffWithXvec(nn.Module):

@@ -55,7 +55,7 @@ class CausalConditionalCFM(nn.Module):
         """Precompute what depends only on the weights and the step count, for the solves to come.
 
         Each step's timestep modulation (``DiT.modulation``: the timestep MLP and 17 adaLN layers) and
-        the stacked q/k projections. Why: they are the same for every chunk, and computing them in each
+        the stacked q/k/v projections. Why: they are the same for every chunk, and computing them in each
         solve costs ~40 kernel launches per Euler step. Call after moving the module to its device and
         dtype and after loading weights, and again if either changes.
         """

@@ -54,10 +54,10 @@ def split_chunk(engine: Token2WavEngine, state, tokens: list[int], last_chunk: b
 
     def estimate():
         return flow.decoder.forward_chunk(mu, state.voice.projected_speaker, torch.zeros_like(mu), noise,
-                                          engine.n_timesteps, cache.estimator_cnn, cache.estimator_att)
+                                          engine.n_timesteps, cache.estimator_cnn, cache.estimator_att.kept())
 
     (mel, _, _), est_ms = _timed(estimate, device)
-    return {"tokens": len(tokens), "frames": int(mel.shape[2]), "cache_frames": int(cache.estimator_att.shape[4]),
+    return {"tokens": len(tokens), "frames": int(mel.shape[2]), "cache_frames": int(cache.estimator_att.kept().shape[4]),
             "encoder_ms": round(enc_ms, 2), "estimator_ms": round(est_ms, 2)}
 
 
@@ -166,7 +166,7 @@ def fused_vs_plain(engine: Token2WavEngine, voice, model_dir: str) -> dict:
 
     def solve(decoder):
         return decoder.forward_chunk(mu, voice.projected_speaker, torch.zeros_like(mu), z, engine.n_timesteps,
-                                     cache.estimator_cnn, cache.estimator_att)[0].float()
+                                     cache.estimator_cnn, cache.estimator_att.kept())[0].float()
 
     start = time.perf_counter()
     fused_out = solve(engine.flow.decoder)
@@ -267,9 +267,12 @@ def timeline(engine: Token2WavEngine, voice, tokens: list[int], batch: int, trac
             print(json.dumps({"part": "timeline", "batch": batch, "round": label, "wall_ms": round(wall_ms, 2),
                               "gpu_busy_ms": round(busy / 1e3, 2),
                               "gpu_span_ms": round((gpu[-1][1] - gpu[0][0]) / 1e3, 2) if gpu else 0,
-                              "host_calls": host}))
+                              "gpu_ops": len(on_gpu), "host_calls": host}))
             for name, (count, ms) in top:
                 print(json.dumps({"kernel": name, "count": count, "ms": round(ms, 2)}))
+            # By count too: with one stream a call is bound by how many kernels it runs, not by the largest.
+            for name, (count, ms) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:20]:
+                print(json.dumps({"kernel_by_count": name, "count": count, "ms": round(ms, 2)}))
 
 
 def batched_rounds(engine: Token2WavEngine, voice, tokens: list[int], batch: int, eager: bool) -> dict:
