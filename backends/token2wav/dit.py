@@ -176,16 +176,38 @@ class CausalConvBlock(nn.Module):
     def _conv(frames: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
         return F.linear(frames, conv.weight.reshape(conv.out_channels, -1), conv.bias)
 
-    def forward_chunk(self, x: torch.Tensor, cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cache (b, in+out, kernel-1): the two convs' input tails, concatenated on channels (None: zeros)."""
+    def forward_chunk(self, x: torch.Tensor, cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, ConvTails]:
+        """cache (b, in+out, kernel-1): the two convs' input tails, concatenated on channels (None: zeros).
+
+        Returns the output and the new tails, unjoined (``ConvTails``; ``conv_cache`` joins them).
+        """
         if cache is None:
             cache = x.new_zeros(x.shape[0], self.in_channels + self.out_channels, self.context)
         tail1, tail2 = cache.transpose(1, 2).split((self.in_channels, self.out_channels), dim=2)
-        frames, new1 = fused.conv_frames(x, tail1)
         norm = self.block[3]
-        h = fused.norm_mish(self._conv(frames, self.block[1]), norm.weight, norm.bias, norm.eps)
-        frames, new2 = fused.conv_frames(h, tail2)
-        return self._conv(frames, self.block[6]), torch.cat([new1, new2], dim=2).transpose(1, 2)
+        h = fused.norm_mish(self._conv(fused.conv_frames(x, tail1), self.block[1]), norm.weight, norm.bias, norm.eps)
+        return self._conv(fused.conv_frames(h, tail2), self.block[6]), (_last_frames(x, tail1), _last_frames(h, tail2))
+
+
+ConvTails = tuple[torch.Tensor, torch.Tensor]
+"""A conv block's new input tails (b, kernel-1, in) and (b, kernel-1, out), time-major; often views of
+its inputs."""
+
+
+def _last_frames(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """The last ``tail.shape[1]`` frames of [tail, x]: the next chunk's tail (a view of x when x is long
+    enough, as every chunk is: a GPU kernel less per conv than returning it from ``conv_frames``)."""
+    context = tail.shape[1]
+    if x.shape[1] >= context:
+        return x[:, x.shape[1] - context:]
+    return torch.cat([tail, x], dim=1)[:, -context:]
+
+
+def conv_cache(tails: list[ConvTails]) -> torch.Tensor:
+    """The blocks' tails as one conv cache (blocks, b, in+out, kernel-1), in three copies for all blocks
+    (joined per block, they were one copy per block and then another for the stack)."""
+    firsts, seconds = torch.stack([t[0] for t in tails]), torch.stack([t[1] for t in tails])
+    return torch.cat([firsts, seconds], dim=3).transpose(2, 3)
 
 
 class DiTBlock(nn.Module):
@@ -209,8 +231,8 @@ class DiTBlock(nn.Module):
     def forward_chunk(
         self, x: torch.Tensor, pending: Pending, mod: torch.Tensor, cnn_cache: Optional[torch.Tensor],
         att_cache: Optional[torch.Tensor], key_bias: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, Pending, torch.Tensor, torch.Tensor]:
-        """Returns x, this block's pending MLP branch, and its new conv and attention caches."""
+    ) -> tuple[torch.Tensor, Pending, ConvTails, torch.Tensor]:
+        """Returns x, this block's pending MLP branch, its conv tails and its chunk's attention keys/values."""
         x, h = enter_norm(x, pending, mod[SCALE_MSA], mod[SHIFT_MSA], self.norm1.eps)
         attended, new_att = self.attn.forward_chunk(h, att_cache, key_bias)
         x, h = fused.gated_norm(x, attended, mod[GATE_MSA], mod[SCALE_CONV], mod[SHIFT_CONV], self.norm3.eps)
@@ -318,7 +340,8 @@ class DiT(nn.Module):
         """
         h = self.in_proj(fused.estimator_input(x, mu, spks, cond))
         pending: Pending = None
-        new_cnn, new_att = [], []
+        new_cnn: list[ConvTails] = []
+        new_att = []
         for i, block in enumerate(self.blocks):
             h, pending, block_cnn, block_att = block.forward_chunk(
                 h, pending, mod.blocks[i],
@@ -330,7 +353,7 @@ class DiT(nn.Module):
             if att_cache is not None and not new_only:
                 block_att = torch.cat([block_att, att_cache[i]], dim=2)
             new_att.append(block_att)
-        return self.final_layer(h, pending, mod.final).transpose(1, 2), torch.stack(new_cnn), torch.stack(new_att)
+        return self.final_layer(h, pending, mod.final).transpose(1, 2), conv_cache(new_cnn), torch.stack(new_att)
 
     def fuse_projections(self) -> None:
         """Precompute the stacked q/k/v weights of every block (``Attention.fuse_projections``)."""

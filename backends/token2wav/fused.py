@@ -94,29 +94,29 @@ def qk_norm_kv(qk: torch.Tensor, v: torch.Tensor, norm_weight: torch.Tensor, nor
 
     qk (b, t, 2, heads, d), v (b, t, heads, d), norm weight/bias (2, 1, d); att_cache (b, heads,
     t_cache, 2d) newest first, or None. Returns q (b, heads, t, d), this chunk's kv (b, heads, t, 2d),
-    and the keys and the values to attend over, each contiguous (b, heads, t + t_cache, d).
+    and the keys and the values to attend over (b, heads, t + t_cache, d): views of one tensor
+    [this chunk's kv, att_cache], made in one pass (keys and values joined with the cache separately
+    were two more kernels, each reading half of every cache row).
     """
     d = qk.shape[-1]
     qk = torch.addcmul(norm_bias, F.layer_norm(qk, (d,), eps=eps), norm_weight)
     q, k, v = qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2), v.transpose(1, 2)
-    new_kv = torch.cat([k, v], dim=3)
-    if att_cache is None:
-        return q, new_kv, k.contiguous(), v.contiguous()
-    return q, new_kv, torch.cat([k, att_cache[..., :d]], dim=2), torch.cat([v, att_cache[..., d:]], dim=2)
+    kv = torch.cat([k, v], dim=3)
+    if att_cache is not None:
+        kv = torch.cat([kv, att_cache], dim=2)
+    return q, kv[:, :, :qk.shape[1]], kv[..., :d], kv[..., d:]
 
 
 @compiled_on_gpu
-def conv_frames(x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A causal conv's input windows as GEMM rows, and the tail the next chunk needs.
+def conv_frames(x: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """A causal conv's input windows as GEMM rows.
 
     x (b, t, c), tail (b, k-1, c): the previous inputs' last k-1 frames (zeros at the start). Returns
     (b, t, c*k), row j holding frames j .. j+k-1 of [tail, x] channel-major (the conv weight's
-    (c_in, k) order), and the new tail (b, k-1, c).
+    (c_in, k) order). (The next tail is left to the caller: returned from here it cost a second kernel.)
     """
     k = tail.shape[1] + 1
-    padded = torch.cat([tail, x], dim=1)
-    frames = padded.unfold(1, k, 1).reshape(x.shape[0], x.shape[1], -1)
-    return frames, padded[:, x.shape[1]:]
+    return torch.cat([tail, x], dim=1).unfold(1, k, 1).reshape(x.shape[0], x.shape[1], -1)
 
 
 @compiled_on_gpu
