@@ -105,8 +105,9 @@ class Attention(nn.Module):
         padded to a common length). The DiT has no positional encoding, so where the padding sits does
         not matter, only that it is masked.
 
-        Returns the output (b, t, c) and this chunk's own keys/values (b, h, t, 2*head_dim); the new
-        cache is ``cat([that, att_cache], dim=2)`` (newest first), left to the caller.
+        Returns the output (b, t, c) and the keys/values it attended over, this chunk's then the
+        cache's (b, h, t + t_cache, 2*head_dim): the new cache, newest first (this chunk's own are its
+        first t frames).
         """
         b, t, _ = x.shape
         fused_weights = self.qkv_weight is not None
@@ -115,9 +116,9 @@ class Attention(nn.Module):
         qkv = F.linear(x, qkv_weight, qkv_bias).view(b, t, 3, self.num_heads, self.head_dim)
         qk, v = qkv[:, :, :2], qkv[:, :, 2]
         # q_norm and k_norm share eps (LayerNorm's default); their affines differ.
-        q, new_kv, k, v = fused.qk_norm_kv(qk, v, norm_weight, norm_bias, self.q_norm.eps, att_cache)
+        q, kv, k, v = fused.qk_norm_kv(qk, v, norm_weight, norm_bias, self.q_norm.eps, att_cache)
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=key_bias)
-        return self.proj(attended.transpose(1, 2).reshape(b, t, -1)), new_kv
+        return self.proj(attended.transpose(1, 2).reshape(b, t, -1)), kv
 
 
 class TimestepEmbedder(nn.Module):
@@ -232,7 +233,8 @@ class DiTBlock(nn.Module):
         self, x: torch.Tensor, pending: Pending, mod: torch.Tensor, cnn_cache: Optional[torch.Tensor],
         att_cache: Optional[torch.Tensor], key_bias: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Pending, ConvTails, torch.Tensor]:
-        """Returns x, this block's pending MLP branch, its conv tails and its chunk's attention keys/values."""
+        """Returns x, this block's pending MLP branch, its conv tails and its new attention cache
+        (``Attention.forward_chunk``)."""
         x, h = enter_norm(x, pending, mod[SCALE_MSA], mod[SHIFT_MSA], self.norm1.eps)
         attended, new_att = self.attn.forward_chunk(h, att_cache, key_bias)
         x, h = fused.gated_norm(x, attended, mod[GATE_MSA], mod[SCALE_CONV], mod[SHIFT_CONV], self.norm3.eps)
@@ -350,9 +352,7 @@ class DiT(nn.Module):
                 key_bias,
             )
             new_cnn.append(block_cnn)
-            if att_cache is not None and not new_only:
-                block_att = torch.cat([block_att, att_cache[i]], dim=2)
-            new_att.append(block_att)
+            new_att.append(block_att[:, :, :x.shape[2]] if new_only else block_att)
         return self.final_layer(h, pending, mod.final).transpose(1, 2), conv_cache(new_cnn), torch.stack(new_att)
 
     def fuse_projections(self) -> None:

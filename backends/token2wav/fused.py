@@ -93,10 +93,10 @@ def qk_norm_kv(qk: torch.Tensor, v: torch.Tensor, norm_weight: torch.Tensor, nor
     """Per-head LayerNorm of q and k (each its own affine) and this chunk's keys/values.
 
     qk (b, t, 2, heads, d), v (b, t, heads, d), norm weight/bias (2, 1, d); att_cache (b, heads,
-    t_cache, 2d) newest first, or None. Returns q (b, heads, t, d), this chunk's kv (b, heads, t, 2d),
-    and the keys and the values to attend over (b, heads, t + t_cache, d): views of one tensor
-    [this chunk's kv, att_cache], made in one pass (keys and values joined with the cache separately
-    were two more kernels, each reading half of every cache row).
+    t_cache, 2d) newest first, or None. Returns q (b, heads, t, d), the keys/values to attend over
+    [this chunk's, att_cache] (b, heads, t + t_cache, 2d), and its keys and its values (b, heads,
+    t + t_cache, d), views: made in one pass (keys and values joined with the cache separately were two
+    more kernels, each reading half of every cache row).
     """
     d = qk.shape[-1]
     qk = torch.addcmul(norm_bias, F.layer_norm(qk, (d,), eps=eps), norm_weight)
@@ -104,7 +104,7 @@ def qk_norm_kv(qk: torch.Tensor, v: torch.Tensor, norm_weight: torch.Tensor, nor
     kv = torch.cat([k, v], dim=3)
     if att_cache is not None:
         kv = torch.cat([kv, att_cache], dim=2)
-    return q, kv[:, :, :qk.shape[1]], kv[..., :d], kv[..., d:]
+    return q, kv, kv[..., :d], kv[..., d:]
 
 
 @compiled_on_gpu
