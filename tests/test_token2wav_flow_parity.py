@@ -14,7 +14,7 @@ import torch
 
 from backends.token2wav.config import build_flow_from_yaml, flow_yaml_text, load_flow, parse_flow_yaml
 from backends.token2wav.dit_cache import DiTCacheRing
-from backends.token2wav.flow import FlowCache
+from backends.token2wav.flow import keep_prompt_and_recent
 from backends.token2wav.tiny import write_token2wav_dir
 
 FIXTURE = Path(__file__).parent / "golden" / "fixtures" / "flow_tiny.pt"
@@ -110,9 +110,7 @@ def test_dit_cache_ring_keeps_what_upstream_keeps(prompt_frames, chunks):
     for frames in chunks:
         chunk = _entry_ids(frames, first)
         first += frames
-        empty = torch.empty(1, 1, 1, 0)   # no conformer cache to cut here
-        upstream = FlowCache(empty, empty, empty, torch.cat([chunk, upstream], dim=4)).truncated(
-            prompt_frames, recent).estimator_att
+        upstream = keep_prompt_and_recent(torch.cat([chunk, upstream], dim=4), 4, prompt_frames, recent)
         ring.add(chunk.movedim(2, 0))
         kept = ring.kept()
         assert kept.shape == upstream.shape
