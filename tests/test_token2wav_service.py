@@ -336,8 +336,48 @@ def test_worker_answers_submitted_requests_in_stream_order(clock):
         service.close()
     assert [answers[i].pcm.size for i in range(4)] == [2, 1, 3, 1]
     assert isinstance(answers[4], BadRequest)
-    assert threads == {"token2wav-worker"}
+    assert threads == {"token2wav-answers"}
     assert service.live_sequences() == 0   # close() drops stream 2 too; stream 1 ended
+
+
+def test_a_slow_answer_does_not_hold_up_the_next_engine_call(clock):
+    """Answers go out from their own thread (Triton's send is an IPC round trip): while one request's
+    answer is still being sent, the worker already runs the next stream's chunk."""
+    import threading
+    import time
+
+    engine = BatchFakeEngine()
+    fed_at: dict[int, float] = {}
+    feed = engine.feed
+
+    def timed_feed(state, tokens, final):
+        fed_at[state["seed"]] = time.monotonic()
+        return feed(state, tokens, final)
+
+    engine.feed = timed_feed
+    service = Token2WavService(engine, ServiceConfig(max_live_streams=8), clock=clock)
+    voice_id, voice = make_voice(0)
+    service.handle(start(1, voice_id, voice, seed=1))
+    service.handle(start(2, voice_id, voice, seed=2))
+    fed_at.clear()
+    answered = threading.Event()
+    count = 0
+
+    def on_result(index, result):
+        nonlocal count
+        if index == 0:
+            time.sleep(0.5)          # a slow send
+        count += 1
+        if count == 2:
+            answered.set()
+
+    service.start_worker()
+    try:
+        service.submit([chunk(1, (1, 2)), chunk(2, (3,))], on_result)
+        assert answered.wait(10)
+    finally:
+        service.close()
+    assert fed_at[2] - fed_at[1] < 0.4, fed_at   # stream 2 ran while stream 1's answer was going out
 
 
 def test_worker_survives_an_unexpected_failure_and_serves_the_next_request(clock, monkeypatch):
