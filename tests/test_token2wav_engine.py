@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import wave
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 from backends.token2wav.__main__ import stream_schedule
 from backends.token2wav.engine import FrameNoise, Token2WavEngine
+from backends.token2wav.scheduling import CallCosts
 from backends.token2wav.tiny import write_token2wav_dir
 
 SAMPLES_PER_TOKEN = 960
@@ -598,6 +600,13 @@ def test_encoder_cache_lengths_are_the_ones_streams_reach(engine, voice):
     assert seen == set(lengths)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_call_costs(engine):
+    """Each test starts with no call costs learned (the look-ahead then never shrinks a call), so the
+    order a test expects does not hang on how long the tests before it took."""
+    engine.call_costs = CallCosts()
+
+
 def test_feed_batch_runs_first_chunks_first_and_at_most_max_batch_rows(engine, voice):
     """An open batch: a 25-token chunk added first still waits while first chunks are queued, and
     one step takes at most max_batch_rows streams (the oldest)."""
@@ -711,6 +720,56 @@ def test_feed_batch_keeps_calls_small_while_every_listener_has_audio(engine, voi
         assert batch.step() and done[5:] == [10, 11, 12, 13, 14]
     finally:
         engine.max_batch_rows, engine.calm_batch_rows, engine.calm_slack_s = saved
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_feed_batch_takes_fewer_rows_when_a_full_call_would_make_another_size_late(engine, voice, lookahead):
+    """The look-ahead (backends.token2wav.scheduling) with the call costs seen so far: a full call of
+    50-token chunks would end after a 25-token listener's deadline, so the call takes 2 streams; the
+    25-token chunk goes next, then the rest. Switched off (deadline_lookahead 0), the full call runs."""
+    clock = _Clock(100.0)
+    states = [_started(engine, voice, 60 + i) for i in range(5)]
+    saved = engine.max_batch_rows, engine.calm_batch_rows, engine.call_costs, engine.deadline_lookahead
+    engine.max_batch_rows = engine.calm_batch_rows = 4
+    engine.deadline_lookahead = lookahead
+    engine.call_costs = costs = CallCosts()
+    for rows, seconds in ((1, 0.05), (2, 0.1), (4, 0.2)):
+        costs.observe((50, False), rows, seconds)
+        costs.observe((25, False), rows, seconds)
+    try:
+        for state, until in zip(states, (100.15, 100.3, 105.0, 105.0, 100.22)):
+            state.played_until = until
+        done: list[int] = []
+        batch = engine.feed_batch(lambda key, result: done.append(key), clock=clock)
+        for i, state in enumerate(states[:4]):
+            batch.add(i, state, _tokens(50, 70 + i), False)
+        batch.add(4, states[4], _tokens(25, 74), False)
+        if lookahead:
+            assert batch.step() and done == [0, 1]       # 4 rows would end at 100.2 + 0.05 > 100.22
+            assert batch.step() and done == [0, 1, 4]
+            assert not batch.step() and done == [0, 1, 4, 2, 3]
+        else:
+            assert batch.step() and done == [0, 1, 2, 3]
+            assert not batch.step() and done == [0, 1, 2, 3, 4]
+    finally:
+        engine.max_batch_rows, engine.calm_batch_rows, engine.call_costs, engine.deadline_lookahead = saved
+
+
+def test_feed_batch_learns_the_cost_of_each_call_size(engine, voice):
+    """Each settled call's duration goes into engine.call_costs under its chunk key and rows; the time
+    spent sending answers does not."""
+    saved = engine.call_costs
+    engine.call_costs = CallCosts()
+    try:
+        batch = engine.feed_batch(lambda key, result: time.sleep(0.2))   # a slow answer
+        batch.add(0, engine.start_stream(voice, seed=80), _tokens(18, 80), False)
+        began = time.monotonic()
+        batch.step()
+        wall = time.monotonic() - began
+        assert 0 < engine.call_costs.estimate((15, False), 1) <= wall - 0.2
+        assert engine.call_costs.estimate((25, False), 1) == 0.0   # no other size ran
+    finally:
+        engine.call_costs = saved
 
 
 def test_on_call_reports_every_engine_call(engine, voice):

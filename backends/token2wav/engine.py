@@ -48,6 +48,7 @@ from backends.token2wav.cuda_graph import GraphedCall, zeros_in_memory_order
 from backends.token2wav.dit_cache import DiTCacheRing
 from backends.token2wav.flow import CausalMaskedDiffWithXvec, keep_prompt_and_recent
 from backends.token2wav.hift import HiFTGenerator, load_hift
+from backends.token2wav.scheduling import CallCosts, Due, rows_keeping_deadlines
 
 SAMPLE_RATE = 24000
 NUM_SPEECH_TOKENS = 6561          # FSQ codes 0..6560
@@ -217,7 +218,10 @@ class Token2WavEngine:
         # Streams per call while the most urgent of them still has calm_slack_s of audio to play (FeedBatch.step).
         self.calm_batch_rows = calm_batch_rows
         self.calm_slack_s = calm_slack_s
+        # Whether FeedBatch shrinks a call that would make listeners of other chunk sizes late (scheduling).
+        self.deadline_lookahead = True
         self.on_call: Optional[Callable[[CallRecord], None]] = None   # called after every FeedBatch call
+        self.call_costs = CallCosts()   # how long calls of each size took: FeedBatch's look-ahead
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.flow = flow.to(device=self.device, dtype=self.dtype).eval()
@@ -776,20 +780,24 @@ class CallRecord:
     seconds: float = 0.0
     settled: int = 0
     reply_s: float = 0.0
-    """Of ``seconds``, the time spent in ``on_result`` (the server sending the answers)."""
+    """Of ``seconds``, the time spent in ``on_result`` (under the server: handing the answers to the
+    service's answer thread)."""
     captured: int = 0
     """CUDA graphs captured during the call."""
     eager: int = 0
     """Graphed parts (solve, encoder groups, HiFT groups) that ran eagerly: shapes without a graph."""
     parts: str = ""
     """Which parts captured (c) or ran eagerly (e), e.g. ``encoder:c0e2``."""
+    held: int = 0
+    """Feeds of the call's size left for a later call so that listeners of other sizes stay in time
+    (``scheduling.rows_keeping_deadlines``)."""
 
     def line(self) -> str:
         kind = "first" if self.first else "last" if self.last else f"{self.tokens}"
         return (f"call t={self.started:.3f} {kind} rows={self.rows} queued={self.queued} "
                 f"ms={1000 * self.seconds:.1f} reply_ms={1000 * self.reply_s:.1f} settled={self.settled} "
                 f"slack_ms={1000 * self.slack_s:.0f} waited_ms={1000 * self.waited_s:.0f} "
-                f"captured={self.captured} eager={self.eager} {self.parts}").rstrip()
+                f"captured={self.captured} eager={self.eager} held={self.held} {self.parts}").rstrip()
 
 
 @dataclass
@@ -828,6 +836,10 @@ class FeedBatch:
       in flight, and a call of 16 streams' 100-token chunks takes ~140 ms on an H100, one of 4 streams
       ~45 ms. Calls grow again as soon as anyone's audio runs short or work piles up (measured at 64
       streams: small calls with 50 feeds waiting let the queue grow to seconds).
+    - And fewer, if a call that size would make a listener waiting on another chunk size late: the
+      next calls are played forward with the call costs measured so far (``scheduling``), over the
+      listeners due within ``calm_slack_s``.
+    ``calm_calls=False`` (``feed_many``, the warm-up): every call as large as the feeds allow.
     """
 
     def __init__(self, engine: Token2WavEngine,
@@ -879,27 +891,34 @@ class FeedBatch:
         if not self.pending:
             return False
         engine = self._engine
+        deadlines = {key: _deadline(feed) for key, feed in self._feeds.items()}
         # sorted() is stable: equal deadlines keep arrival order
-        urgent = sorted(self._feeds, key=lambda key: _deadline(self._feeds[key]))
+        urgent = sorted(self._feeds, key=deadlines.__getitem__)
         chosen = self._feeds[urgent[0]].batch_key
         members = [key for key in urgent if self._feeds[key].batch_key == chosen]
-        slack = _deadline(self._feeds[members[0]]) - self._clock()
-        calm = (self._calm_calls and self._feeds[members[0]].state.started and slack >= engine.calm_slack_s
-                and len(self._feeds) <= engine.max_batch_rows)
-        rows = min(engine.calm_batch_rows, engine.max_batch_rows) if calm else engine.max_batch_rows
+        now = self._clock()
+        calm = (self._calm_calls and self._feeds[members[0]].state.started
+                and deadlines[members[0]] - now >= engine.calm_slack_s and len(self._feeds) <= engine.max_batch_rows)
         # At most max_batch_rows: a call's memory grows with its rows (~0.26 GB of attention cache per
         # stream at the published size), and its graphs exist up to that size.
-        members = members[:max(rows, 1)]
+        rows = max(min(engine.calm_batch_rows, engine.max_batch_rows) if calm else engine.max_batch_rows, 1)
+        offered = min(rows, len(members))
+        if self._calm_calls and engine.deadline_lookahead:  # fewer rows if a full call would make others late
+            queue = [Due(deadlines[key], self._feeds[key].batch_key, self._feeds[key].state.played_until is not None)
+                     for key in urgent]
+            rows = rows_keeping_deadlines(now, queue, chosen, rows, engine.max_batch_rows, engine.call_costs,
+                                          horizon=now + engine.calm_slack_s)
+        members = members[:rows]
         feeds = [self._feeds[key] for key in members]
         states = [feed.state for feed in feeds]
         last = feeds[0].plan[0][1]
-        started, tracing = self._clock(), engine.on_call is not None
+        started, counts = self._clock(), engine.graph_counts()
+        tracing = engine.on_call is not None
         if tracing:  # what the trace needs from before the call
-            counts = engine.graph_counts()
             record = CallRecord(started=started, rows=len(feeds), tokens=feeds[0].plan[0][0], last=last,
                                 first=not states[0].started, queued=len(self._feeds),
-                                slack_s=min(_deadline(f) for f in feeds) - started,
-                                waited_s=max(started - f.added_at for f in feeds))
+                                slack_s=min(deadlines[key] for key in members) - started,
+                                waited_s=max(started - f.added_at for f in feeds), held=offered - len(feeds))
         try:
             chunks = [feed.plan[0][0] for feed in feeds]
             mels = engine._flow_chunks(
@@ -919,12 +938,15 @@ class FeedBatch:
         except Exception as exc:  # noqa: BLE001 - the whole batch failed: every member's stream is unusable
             reply_s = self._settle([key for key in members if key in self._feeds], exc)
             settled = []
+        seconds, after = self._clock() - started, engine.graph_counts()
+        captured = {name: after[name][0] - counts[name][0] for name in counts}
+        eager = {name: after[name][1] - counts[name][1] for name in counts}
+        if settled and not any(captured.values()) and not any(eager.values()):
+            # the steady cost of this size (a capture or an eager run is a one-off)
+            engine.call_costs.observe(chosen, len(feeds), seconds - reply_s)
         if tracing:
-            after = engine.graph_counts()
-            captured = {name: after[name][0] - counts[name][0] for name in counts}
-            eager = {name: after[name][1] - counts[name][1] for name in counts}
             engine.on_call(dataclasses.replace(
-                record, seconds=self._clock() - started, settled=len(settled), reply_s=reply_s,
+                record, seconds=seconds, settled=len(settled), reply_s=reply_s,
                 captured=sum(captured.values()), eager=sum(eager.values()),
                 parts=" ".join(f"{name}:c{captured[name]}e{eager[name]}" for name in counts
                                if captured[name] or eager[name])))

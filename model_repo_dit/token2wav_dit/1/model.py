@@ -58,6 +58,7 @@ class TritonPythonModel:
         engine.max_batch_rows = max(1, int(model_config.get("max_batch_size", 1)))
         engine.calm_batch_rows = max(1, self.config.calm_batch_rows)
         engine.calm_slack_s = self.config.calm_slack_ms / 1000
+        engine.deadline_lookahead = bool(self.config.deadline_lookahead)
         if self.config.trace_calls:  # stderr: the worker thread must not wait on Triton's log channel
             engine.on_call = lambda record: print("token2wav " + record.line(), file=sys.stderr, flush=True)
         self.service = Token2WavService(engine, self.config)
