@@ -35,6 +35,14 @@ def test_playback_counts_each_late_chunk_and_shifts_the_clock() -> None:
     result = playback(arrivals)
     assert result.underruns == 2
     assert result.stall_s == pytest.approx(0.8)
+    assert result.least_buffered_s == pytest.approx(-0.5)   # the worst: 2.5 came 0.5 s after the buffer ran dry
+
+
+def test_playback_least_buffered_is_how_near_a_request_came_to_an_underrun() -> None:
+    # 1.0 s of audio at 0.0; the next at 0.7 (0.3 s left), then at 1.9 (1.0 + 1.0 - 1.9 = 0.1 s left)
+    result = playback([(0.0, 1.0), (0.7, 1.0), (1.9, 1.0)])
+    assert result.underruns == 0 and result.least_buffered_s == pytest.approx(0.1)
+    assert playback([(0.0, 1.0)]).least_buffered_s is None      # one chunk: nothing to be late
 
 
 def test_playback_edge_cases() -> None:
@@ -61,6 +69,7 @@ def test_record_finish_and_summary() -> None:
     assert summary["ttfa_p50_ms"] == 250.0 and summary["total_p99_ms"] == 3000.0
     assert summary["underruns"] == 1 and summary["underrun_requests_pct"] == 100.0
     assert summary["throughput_audio_s_per_s"] == 1.0 and summary["first_chunk_p50_ms"] is None
+    assert summary["least_buffered_min_ms"] == -750.0     # 3.0 came 0.75 s after 2.25, when the audio ran out
     assert ok.as_dict()["arrivals"][1] == [0.25, 1.0]
 
 

@@ -7,7 +7,9 @@ or the simulated LLM request of the token2wav driver) to its last audio. Audio a
 Playback model (``playback``): a listener starts playing when the first audio arrives and plays
 continuously. A chunk that arrives after everything received before it has finished playing is an
 **underrun**: playback stalled for (arrival - end of the buffered audio) seconds and resumes with that
-chunk, so the playback clock shifts by the stall.
+chunk, so the playback clock shifts by the stall. How close a request came to one is the **least
+buffered** audio: of every chunk after the first, the audio still unplayed when it arrived (negative:
+the stall).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ SECONDS_PER_TOKEN = 0.04
 class Playback:
     underruns: int
     stall_s: float
+    least_buffered_s: float | None = None
+    """Least unplayed audio when a chunk after the first arrived (negative: a stall); None: one chunk."""
 
 
 def playback(arrivals: Sequence[tuple[float, float]]) -> Playback:
@@ -36,7 +40,7 @@ def playback(arrivals: Sequence[tuple[float, float]]) -> Playback:
 
     ``arrivals``: (arrival time, audio seconds) per chunk, in arrival order; empty chunks are ignored.
     """
-    underruns, stall = 0, 0.0
+    underruns, stall, least = 0, 0.0, None
     played_until: float | None = None  # when the audio received so far will have finished playing
     for at, seconds in arrivals:
         if seconds <= 0:
@@ -44,13 +48,14 @@ def playback(arrivals: Sequence[tuple[float, float]]) -> Playback:
         if played_until is None:
             played_until = at + seconds
             continue
+        least = played_until - at if least is None else min(least, played_until - at)
         if at > played_until:
             underruns += 1
             stall += at - played_until
             played_until = at + seconds
         else:
             played_until += seconds
-    return Playback(underruns, stall)
+    return Playback(underruns, stall, least)
 
 
 @dataclass
@@ -75,6 +80,8 @@ class RequestRecord:
     """Speech tokens synthesized, where the driver knows them."""
     underruns: int = 0
     stall_s: float = 0.0
+    least_buffered_s: float | None = None
+    """See ``Playback.least_buffered_s``."""
     error: str | None = None
     """Error type (e.g. ``RateLimitError``, ``APITimeoutError``, ``Token2WavUnavailable``); None: success."""
     error_message: str | None = None
@@ -97,7 +104,7 @@ class RequestRecord:
         first = next((at for at, seconds in self.arrivals if seconds > 0), None)
         self.ttfa_s = first
         pb = playback(self.arrivals)
-        self.underruns, self.stall_s = pb.underruns, pb.stall_s
+        self.underruns, self.stall_s, self.least_buffered_s = pb.underruns, pb.stall_s, pb.least_buffered_s
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -147,4 +154,8 @@ def summarize(concurrency: int, records: Sequence[RequestRecord], wall_s: float)
         for q in (50, 90, 99):
             summary[f"{name}_p{q}_ms"] = _ms(percentile(values, q))
     summary["ttfa_mean_ms"] = _ms(float(np.mean(ttfa))) if ttfa else None
+    # How near the level came to an underrun: the least audio any listener had left when a chunk came.
+    buffered = [r.least_buffered_s for r in ok if r.least_buffered_s is not None]
+    summary["least_buffered_min_ms"] = _ms(min(buffered)) if buffered else None
+    summary["least_buffered_p5_ms"] = _ms(percentile(buffered, 5))
     return summary

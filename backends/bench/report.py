@@ -24,6 +24,7 @@ COLUMNS = (
     ("RTF mean", "rtf_mean", "{:>8}"),
     ("underruns", "underruns", "{:>9}"),
     ("% req", "underrun_requests_pct", "{:>6}"),
+    ("min buf ms", "least_buffered_min_ms", "{:>10}"),
     ("audio s/s", "throughput_audio_s_per_s", "{:>9}"),
 )
 
