@@ -46,6 +46,10 @@ def test_missed_deadlines_plays_the_calls_forward():
     queue = [Due(0.05, FULL), Due(0.04, SHORT)]
     assert missed_deadlines(0.0, queue, FULL, 1, 16, costs) == 1             # 22 + 21 ms > 40 ms
     assert missed_deadlines(0.0, queue, FULL, 1, 16, costs, horizon=0.03) == 0
+    # With a margin, a chunk that leaves its listener less than that much audio counts as late too.
+    queue = [Due(0.05, FULL), Due(0.06, SHORT)]                          # done at 22 and 43 ms
+    assert missed_deadlines(0.0, queue, FULL, 1, 16, costs) == 0
+    assert missed_deadlines(0.0, queue, FULL, 1, 16, costs, margin=0.02) == 1
 
 
 def test_a_full_call_shrinks_when_it_would_make_another_size_late():
