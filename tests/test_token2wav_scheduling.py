@@ -52,6 +52,20 @@ def test_missed_deadlines_plays_the_calls_forward():
     assert missed_deadlines(0.0, queue, FULL, 1, 16, costs, margin=0.02) == 1
 
 
+def test_a_feed_of_several_chunks_is_late_by_its_last_one():
+    """A catch-up feed (100 tokens, then 75) joins the 75-token call after its first chunk, and its
+    listener hears nothing until that one is done."""
+    costs = _h100_like()
+    queue = sorted([Due(0.20, FULL, then=(MID,))] * 4 + [Due(6.0, FULL)] * 12
+                   + [Due(0.21, MID)] * 4 + [Due(0.26, SHORT)] * 3)
+    single = [due._replace(then=()) for due in queue]
+    # 16 x 100 tokens: 144 ms. Were the catch-ups done then, everyone would be in time ...
+    assert missed_deadlines(0.0, single, FULL, 16, 16, costs) == 0
+    # ... but they still need the 75-token call (8 rows, 61 ms): done at 205 ms, 5 ms after their deadline.
+    assert missed_deadlines(0.0, queue, FULL, 16, 16, costs) == 4
+    assert rows_keeping_deadlines(0.0, queue, FULL, 16, 16, costs, margin=0.0) == 8
+
+
 def test_a_full_call_shrinks_when_it_would_make_another_size_late():
     """The 64-stream trace: the most urgent listener's 100-token call would take 16 streams (144 ms)
     while second chunks (25 tokens) and 75-token chunks, due ~225 ms out, waited; listeners stalled."""

@@ -812,8 +812,16 @@ class _Feed:
     @property
     def batch_key(self) -> tuple[int, bool]:
         """Feeds whose next chunks share this key run together (last chunks are padded to one size)."""
-        consumed, last = self.plan[0]
-        return (0, True) if last else (consumed, False)
+        return _chunk_key(*self.plan[0])
+
+    @property
+    def later_keys(self) -> tuple[tuple[int, bool], ...]:
+        """The keys of the chunks after the next one."""
+        return tuple(_chunk_key(*chunk) for chunk in self.plan[1:])
+
+
+def _chunk_key(consumed: int, last: bool) -> tuple[int, bool]:
+    return (0, True) if last else (consumed, False)
 
 
 class FeedBatch:
@@ -904,8 +912,8 @@ class FeedBatch:
         rows = max(min(engine.calm_batch_rows, engine.max_batch_rows) if calm else engine.max_batch_rows, 1)
         offered = min(rows, len(members))
         if self._calm_calls and engine.deadline_lookahead:  # fewer rows if a full call would make others late
-            queue = [Due(deadlines[key], self._feeds[key].batch_key, self._feeds[key].state.played_until is not None)
-                     for key in urgent]
+            queue = [Due(deadlines[key], feed.batch_key, feed.state.played_until is not None, feed.later_keys)
+                     for key, feed in ((key, self._feeds[key]) for key in urgent)]
             rows = rows_keeping_deadlines(now, queue, chosen, rows, engine.max_batch_rows, engine.call_costs,
                                           horizon=now + engine.calm_slack_s)
         members = members[:rows]

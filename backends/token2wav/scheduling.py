@@ -16,8 +16,8 @@ Measured at 64 streams without the margin: calls chosen to end 19-35 ms before a
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections import deque
 from typing import Hashable, Iterable, NamedTuple
 
 class Due(NamedTuple):
@@ -30,6 +30,9 @@ class Due(NamedTuple):
     """Whether a listener's audio runs out at ``deadline`` (a stall if missed). A new stream's first
     chunk is False: its deadline orders the calls but missing it only delays first audio, and counting
     it would shrink calls on a GPU too slow to meet it anyway, for no listener's sake."""
+    then: tuple = ()
+    """The keys of the feed's chunks after the next (a catch-up feed of 175 tokens: 100, then 75); its
+    answer, and so its listener's audio, comes after the last of them."""
 
 
 #: Audio a listener should still have when its chunk is done, for the look-ahead to call it in time.
@@ -88,20 +91,23 @@ def missed_deadlines(now: float, queue: Iterable[Due], first_key: Hashable, firs
     deadline first with up to ``max_rows`` (as ``FeedBatch`` would, with no new arrivals). Calls whose
     most urgent feed is due at ``horizon`` or later are not played: too far off for this call's size
     to matter."""
-    groups: dict[Hashable, deque[Due]] = {}
+    groups: dict[Hashable, list[Due]] = {}
     for due in sorted(queue, key=lambda item: item.deadline):
-        groups.setdefault(due.key, deque()).append(due)
+        groups.setdefault(due.key, []).append(due)
     t, missed = now, 0
     key, take = first_key, first_rows
     while key in groups:
-        waiting = groups[key]
-        n = min(take, len(waiting))
-        t += costs.estimate(key, n)
-        for _ in range(n):
-            due = waiting.popleft()
-            missed += due.listening and due.deadline - margin < t
-        if not waiting:
-            del groups[key]
+        waiting = groups.pop(key)
+        taken, rest = waiting[:take], waiting[take:]
+        if rest:
+            groups[key] = rest
+        t += costs.estimate(key, len(taken))
+        for due in taken:
+            if due.then:  # its next chunk joins the feeds of that size, in deadline order
+                bisect.insort(groups.setdefault(due.then[0], []), due._replace(key=due.then[0], then=due.then[1:]),
+                              key=lambda item: item.deadline)
+            else:
+                missed += due.listening and due.deadline - margin < t
         if not groups:
             break
         key = min(groups, key=lambda k: groups[k][0].deadline)
