@@ -238,8 +238,11 @@ class Token2WavEngine:
         self.samples_per_frame = int(getattr(hift, "samples_per_frame", 480))
         self.samples_per_token = self.samples_per_frame * self.flow.up_rate
         self.hift_cache_samples = HIFT_CACHE_FRAMES * self.samples_per_frame
-        # Hamming window of twice the overlap, as upstream; float64 like upstream's numpy window.
-        self.fade_window = torch.hamming_window(2 * self.hift_cache_samples, periodic=False, dtype=torch.float64)
+        # Hamming window of twice the overlap, as upstream; float64 like upstream's numpy window. On the
+        # engine's device: copied from the host in every call, it was a blocking copy that waited for
+        # the whole call's GPU work, once per stream of the call, before the rest could be queued.
+        self.fade_window = torch.hamming_window(2 * self.hift_cache_samples, periodic=False, dtype=torch.float64,
+                                                device=self.device)
         # The estimator solve and HiFT's decoder are launch-bound on a GPU: replay them from CUDA graphs.
         # The solve returns only each chunk's own attention-cache frames (new_only): the engine prepends
         # them to each stream's old cache, and a CUDA graph's static output stays chunk-sized.
@@ -737,7 +740,7 @@ class Token2WavEngine:
     def _cross_fade(self, speech: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         """Blend the first `overlap` samples with the previous call's held-back tail (upstream's fade_in_out)."""
         overlap = self.hift_cache_samples
-        window = self.fade_window.to(speech.device)
+        window = self.fade_window
         faded = speech.clone()
         head = speech[..., :overlap].double() * window[:overlap] + previous[..., -overlap:].double() * window[overlap:]
         faded[..., :overlap] = head.to(speech.dtype)
@@ -814,10 +817,10 @@ class _Feed:
         """Feeds whose next chunks share this key run together (last chunks are padded to one size)."""
         return _chunk_key(*self.plan[0])
 
-    @property
-    def later_keys(self) -> tuple[tuple[int, bool], ...]:
-        """The keys of the chunks after the next one."""
-        return tuple(_chunk_key(*chunk) for chunk in self.plan[1:])
+    def due(self, deadline: float) -> Due:
+        """The feed as the look-ahead sees it (``scheduling.Due``)."""
+        return Due(deadline, self.batch_key, listening=self.state.played_until is not None,
+                   then=tuple(_chunk_key(*chunk) for chunk in self.plan[1:]))
 
 
 def _chunk_key(consumed: int, last: bool) -> tuple[int, bool]:
@@ -912,8 +915,7 @@ class FeedBatch:
         rows = max(min(engine.calm_batch_rows, engine.max_batch_rows) if calm else engine.max_batch_rows, 1)
         offered = min(rows, len(members))
         if self._calm_calls and engine.deadline_lookahead:  # fewer rows if a full call would make others late
-            queue = [Due(deadlines[key], feed.batch_key, feed.state.played_until is not None, feed.later_keys)
-                     for key, feed in ((key, self._feeds[key]) for key in urgent)]
+            queue = [self._feeds[key].due(deadlines[key]) for key in urgent]
             rows = rows_keeping_deadlines(now, queue, chosen, rows, engine.max_batch_rows, engine.call_costs,
                                           horizon=now + engine.calm_slack_s)
         members = members[:rows]

@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="e.g. 1,16: after the engine's warm-up (CUDA graphs), profile a first-chunk and a 100-token "
                              "feed_many round of each many streams: wall vs GPU-busy time, host syncs, top kernels")
     parser.add_argument("--trace-dir", default="", help="with --timeline: write each round's Chrome trace here")
+    parser.add_argument("--host-profile", type=int, default=0,
+                        help="with --timeline: cProfile this many one-stream first-chunk and 100-token calls on the "
+                             "warm engine and print the Python functions that took the host's time")
     parser.add_argument("--graph-mib", type=int, default=24576)
     args = parser.parse_args(argv)
     device = args.device
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"part": "warm_up", "graphs": graphed.graph_summary()}))
         for batch in (int(b) for b in args.timeline.split(",")):
             timeline(graphed, graphed_voice, tokens, batch, args.trace_dir)
+        if args.host_profile:
+            host_profile(graphed, graphed_voice, tokens, args.host_profile)
     if args.batches:
         graphed = Token2WavEngine.load(tmp, device=device, dtype=args.dtype, cuda_graphs=True,
                                        compile_fused=bool(args.compile))
@@ -273,6 +278,39 @@ def timeline(engine: Token2WavEngine, voice, tokens: list[int], batch: int, trac
             # By count too: with one stream a call is bound by how many kernels it runs, not by the largest.
             for name, (count, ms) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:20]:
                 print(json.dumps({"kernel_by_count": name, "count": count, "ms": round(ms, 2)}))
+
+
+def host_profile(engine: Token2WavEngine, voice, tokens: list[int], rounds: int) -> None:
+    """Where a one-stream call's host time goes: cProfile over ``rounds`` first-chunk and 100-token
+    ``feed_many`` calls of a warm engine (the GPU runs CUDA graphs, so what is left is Python and the
+    waits for the GPU), the top functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    walls: dict[str, list[float]] = {"first": [], "100": []}
+    for attempt in range(rounds):
+        state = engine.start_stream(voice, seed=7000 + attempt)
+        at = 0
+        for label, size in (("first", 18), ("25", 25), ("50", 50), ("100", 100)):
+            piece = tokens[at:at + size]
+            at += size
+            _sync(engine.device)
+            start = time.perf_counter()
+            if label in walls:
+                profiler.enable()
+                engine.feed_many([(state, piece, False)])
+                profiler.disable()
+                walls[label].append((time.perf_counter() - start) * 1e3)
+            else:
+                engine.feed_many([(state, piece, False)])
+    print(json.dumps({"part": "host_profile", "rounds": rounds,
+                      "wall_ms_median": {k: round(sorted(v)[len(v) // 2], 2) for k, v in walls.items()}}))
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(30)
+        print(f"## host profile by {order}\n" + out.getvalue())
 
 
 def batched_rounds(engine: Token2WavEngine, voice, tokens: list[int], batch: int, eager: bool) -> dict:
