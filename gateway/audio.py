@@ -9,7 +9,9 @@ frames once the chunk covers the codec's look-ahead (measured: 1 728 samples = 7
 
 The codecs (mp3, opus, aac, flac) are PyAV ``CodecContext``s used without a muxer: the few bytes of
 container framing are written here (ADTS headers, the FLAC stream header, Ogg pages), because FFmpeg's
-muxers buffer output in AVIO and Ogg pages, which would hold audio back. WAV and raw PCM need no codec.
+muxers buffer output in AVIO and Ogg pages, which would hold audio back. WAV and raw PCM need no codec,
+and PyAV is imported only when a codec encoder is made: the app then runs without it for pcm and wav
+(the GPU benchmark machine has no PyAV, and its carry limit has no room for FFmpeg).
 
 Encoding is CPU work: ``gateway.app`` runs ``encode``/``flush`` of the codec formats in a thread.
 """
@@ -20,9 +22,12 @@ import struct
 import zlib
 from abc import ABC, abstractmethod
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-import av
 import numpy as np
+
+if TYPE_CHECKING:
+    import av
 
 #: response_format → Content-Type, exactly as OpenAI sends them.
 CONTENT_TYPES: dict[str, str] = {
@@ -134,6 +139,9 @@ class CodecEncoder(AudioEncoder):
 
     def __init__(self, sample_rate: int) -> None:
         super().__init__(sample_rate)
+        import av  # here, not at import time: see the module docstring
+
+        self._av = av
         self.codec = av.CodecContext.create(self.codec_name, "w")
         self.codec.sample_rate = sample_rate
         self.codec.layout = "mono"
@@ -161,10 +169,11 @@ class CodecEncoder(AudioEncoder):
         """Wrap the codec's packets in the container framing."""
 
     def _make_frame(self, samples: np.ndarray) -> av.AudioFrame:
+        audio_frame = self._av.AudioFrame
         if self.sample_format == "s16":
-            frame = av.AudioFrame.from_ndarray(float_to_int16(samples).reshape(1, -1), format="s16", layout="mono")
+            frame = audio_frame.from_ndarray(float_to_int16(samples).reshape(1, -1), format="s16", layout="mono")
         else:
-            frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format=self.sample_format, layout="mono")
+            frame = audio_frame.from_ndarray(samples.reshape(1, -1), format=self.sample_format, layout="mono")
         frame.sample_rate = self.sample_rate
         frame.time_base = Fraction(1, self.sample_rate)
         frame.pts = self._samples_in

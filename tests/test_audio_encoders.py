@@ -224,3 +224,27 @@ def test_nan_and_overs_become_valid_audio(fmt: str) -> None:
     assert np.isfinite(samples).all()
     # Lossless formats hold the clipped signal exactly; a lossy codec may ring a little past full scale.
     assert np.abs(samples).max() <= (1.0 if fmt != "mp3" else 1.5)
+
+
+def test_the_app_and_the_pcm_and_wav_encoders_need_no_pyav() -> None:
+    """PyAV loads only for the codec formats: the app imports, and pcm and wav encode, where it is
+    missing (the GPU benchmark machine, whose carry limit has no room for FFmpeg)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import sys; sys.modules['av'] = None\n"   # any 'import av' now raises ImportError
+        "import numpy as np, gateway.app\n"
+        "from gateway.audio import make_encoder\n"
+        "for fmt in ('pcm', 'wav'):\n"
+        "    enc = make_encoder(fmt); assert enc.encode(np.zeros(2400, np.float32)) and enc.flush() is not None\n"
+        "try:\n"
+        "    make_encoder('mp3')\n"
+        "except ImportError:\n"
+        "    print('codecs need av')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "codecs need av"
