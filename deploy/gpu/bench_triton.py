@@ -8,7 +8,10 @@ this starts Triton on GPU 0 with full-size random weights (fp16 by default) and 
 - ``python -m backends.bench token2wav``: the gateway's Token2WavClient and chunk schedule straight
   against Triton, tokens arriving on the replayer timetable (20 ms prefill, then 5 ms per token);
 - ``python -m backends.bench pipeline`` (``--modes``): the gateway's SpeechPipeline with the LLM token
-  replayer (``backends.llm.replayer``, the named stand-in for trtllm-serve) as its LLM server.
+  replayer (``backends.llm.replayer``, the named stand-in for trtllm-serve) as its LLM server;
+- ``python -m backends.bench http`` (``--modes ...,http``): the whole path a client sees, the gateway
+  under uvicorn (its own process, as deployed) over the same Triton and replayer, driven by the async
+  OpenAI SDK, streaming pcm. ``http`` minus ``pipeline`` is the HTTP + app overhead on this machine.
 
 Results land in OUT/<config>-<mode>/results.json + ttfa.png, and a comparison plot per mode.
 """
@@ -85,14 +88,23 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in args.modes.split(","):
                     command = [sys.executable, "-m", "backends.bench", mode, "--concurrency", args.concurrency,
                                "--warmup", "3", *(["--warmup-each-level"] if args.warm_levels else []),
-                               "--label", f"{config} {mode}", "--out", str(args.out / f"{config}-{mode}"),
-                               "--triton", server.grpc_url, "--voices-dir", str(voices)]
+                               "--label", f"{config} {mode}", "--out", str(args.out / f"{config}-{mode}")]
+                    gateway = None
                     if mode == "token2wav":
-                        command += ["--tokens", args.tokens]
+                        command += ["--triton", server.grpc_url, "--voices-dir", str(voices), "--tokens", args.tokens]
+                    elif mode == "http":
+                        gateway = start_gateway(args.out / f"{config}-gateway.log", llm_url, llm_dir, voices,
+                                                server.grpc_url)
+                        command += ["--url", f"{gateway.url}/v1", "--response-format", "pcm"]
                     else:
-                        command += ["--llm-url", llm_url, "--tokenizer-dir", str(llm_dir)]
+                        command += ["--triton", server.grpc_url, "--voices-dir", str(voices),
+                                    "--llm-url", llm_url, "--tokenizer-dir", str(llm_dir)]
                     print(f"== {config} / {mode}", flush=True)
-                    subprocess.run(command, env=env, check=False, timeout=900)
+                    try:
+                        subprocess.run(command, env=env, check=False, timeout=900)
+                    finally:
+                        if gateway is not None:
+                            gateway.stop()
             finally:
                 server.stop()
                 args.out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +116,22 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run([sys.executable, "-m", "backends.bench", "plot", *runs,
                                 "--out", str(args.out / f"compare-{mode}.png")], env=env, check=False)
     return 0
+
+
+def start_gateway(log_path: Path, llm_url: str, llm_dir: Path, voices: Path, triton_grpc: str):
+    """The gateway under uvicorn (``deploy.local.stack.GatewayProcess``) over this run's Triton and
+    replayer, with the pipeline mode's settings; admission open to every stream the bench starts."""
+    from backends.llm.vllm_launcher import free_port
+    from deploy.local.stack import GatewayProcess
+
+    port = free_port()
+    gateway = GatewayProcess("127.0.0.1", port, {
+        "TTS_HOST": "127.0.0.1", "TTS_PORT": str(port), "TTS_LLM_URL": llm_url, "TTS_LLM_MODEL": "cosyvoice2",
+        "TTS_LLM_TOKENIZER_DIR": str(llm_dir), "TTS_TRITON_URL": triton_grpc, "TTS_VOICES_DIR": str(voices),
+        "TTS_TEXT_NORMALIZATION": "false", "TTS_LOG_FORMAT": "text", "TTS_MAX_CONCURRENT_STREAMS": "0",
+    }, log_path=log_path)
+    gateway.start(ready_timeout_s=120)
+    return gateway
 
 
 def config_spec(spec: str) -> tuple[str, dict[str, str]]:

@@ -7,8 +7,10 @@
 #     from the nvidia-pytriton wheel (its bundled libpython3.13 and the other stubs are left out);
 #   - numpy 1.26 (Triton 2.51's stub corrupts tensors under numpy 2: ARCHITECTURE.md), tritonclient
 #     without its perf_analyzer binaries, python-rapidjson, and the gateway's pure-Python needs
-#     (pydantic, pydantic-settings, fastapi, starlette, uvicorn) and aiohttp (the LLM client) for the
-#     pipeline benchmark and the replayer.
+#     (pydantic, pydantic-settings, fastapi, starlette, uvicorn, prometheus-client) and aiohttp (the LLM
+#     client) for the pipeline benchmark and the replayer; for the http benchmark (the gateway under
+#     uvicorn, driven by the OpenAI SDK) the SDK and what it needs beyond the image (anyio, httpx2, ...).
+#     No PyAV (FFmpeg would not fit): the gateway serves pcm and wav without it.
 #
 #   bash deploy/gpu/pack.sh          # then carry .gpu in a device run
 set -euo pipefail
@@ -26,6 +28,9 @@ wheels=(
     opentelemetry-api==1.45.2 typing-extensions==4.16.0
     aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 multidict==7.2.1
     propcache==0.5.4 yarl==1.25.1
+    prometheus-client==0.26.0
+    openai==3.54.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 anyio==4.16.0 sniffio==1.3.1
+    h11==0.16.0 idna==3.20
 )
 # Installed for the GPU machine's interpreter (cp312), not this one's; each pinned, no resolver.
 python3 -m pip install -q --no-deps --no-compile --only-binary=:all: --python-version 3.12 --implementation cp \
