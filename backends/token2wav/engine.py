@@ -48,7 +48,7 @@ from backends.token2wav.cuda_graph import GraphedCall, zeros_in_memory_order
 from backends.token2wav.dit_cache import DiTCacheRing
 from backends.token2wav.flow import CausalMaskedDiffWithXvec, keep_prompt_and_recent
 from backends.token2wav.hift import HiFTGenerator, load_hift
-from backends.token2wav.scheduling import CallCosts, Due, rows_keeping_deadlines
+from backends.token2wav.scheduling import CallCosts, Due, graph_rows, powers_of_two_down, rows_keeping_deadlines
 
 SAMPLE_RATE = 24000
 NUM_SPEECH_TOKENS = 6561          # FSQ codes 0..6560
@@ -444,7 +444,7 @@ class Token2WavEngine:
         # the chunks before, so the whole sizes can run in any order after the first chunk.
         sizes = [FIRST_CHUNK_TOKENS + self.lookahead] + list(range(self.max_chunk_tokens, 0, -self.chunk_quantum))
         calls = 0
-        for rows in [1] + _powers_of_two_down(max_rows)[:-1]:
+        for rows in [1] + powers_of_two_down(max_rows)[:-1]:
             for _ in range(2):
                 states = [self.start_stream(voice, seed=k) for k in range(rows)]
                 for size in sizes:
@@ -486,11 +486,11 @@ class Token2WavEngine:
                 self.encode(*args)
 
         lengths = self.encoder_cache_lengths(voice.prompt_frames)
-        for rows in _powers_of_two_down(max_rows):  # largest first: one memory pool (see warm_up)
+        for rows in powers_of_two_down(max_rows):  # largest first: one memory pool (see warm_up)
             for cache_length in reversed(lengths):
                 for size in range(self.max_chunk_tokens, 0, -self.chunk_quantum):
                     encode_twice(rows, size + self.lookahead, cache_length, False)
-        for rows in _powers_of_two_down(LAST_CHUNK_GRAPH_ROWS):
+        for rows in powers_of_two_down(LAST_CHUNK_GRAPH_ROWS):
             for tokens in range(self.chunk_quantum + self.lookahead - 1, self.lookahead, -1):
                 encode_twice(rows, tokens, lengths[-1], True)
                 frames = HIFT_CACHE_FRAMES + tokens * self.flow.up_rate
@@ -589,7 +589,7 @@ class Token2WavEngine:
             if self.graphed_solve is not None:
                 # Groups come in every size (streams at one point of the schedule): padded to a power of
                 # two with zero rows, a few graphs serve them all (an odd size ran eagerly or paid a capture).
-                group_rows = 1 << (len(members) - 1).bit_length()
+                group_rows = graph_rows(len(members))
                 embedded, cnn_cache = _pad_rows(embedded, 0, group_rows), _pad_rows(cnn_cache, 0, group_rows)
                 att_cache = _pad_rows(att_cache, 1, group_rows)
             # A last chunk has any length: its graphs come from the warm-up only, never from a capture on
@@ -609,7 +609,7 @@ class Token2WavEngine:
         mu = torch.cat([F.pad(m, (0, frames - m.shape[2])) for m in mus])
         noise = _to_device(torch.cat([F.pad(z, (0, frames - z.shape[2])) for z in noises]), self.device).to(self.dtype)
         spks = _stack([s.voice.projected_speaker for s in states], 0)
-        rows = batch if self.graphed_solve is None else 1 << (batch - 1).bit_length()
+        rows = batch if self.graphed_solve is None else graph_rows(batch)
         mu, noise, spks = (_pad_rows(t, 0, rows) for t in (mu, noise, spks))
         cnn_cache, att_cache, key_mask = self._estimator_batch(states, rows, lengths, frames)
         mel, estimator_cnn, estimator_att = self.solve(
@@ -981,10 +981,6 @@ class FeedBatch:
             self._on_result(key, output)
         return self._clock() - replying
 
-
-def _powers_of_two_down(limit: int) -> list[int]:
-    """The batch sizes graphs are captured for (batches are padded to a power of two), largest first."""
-    return [1 << k for k in range(max(limit, 1).bit_length() - 1, -1, -1)]
 
 
 def _deadline(feed: _Feed) -> float:

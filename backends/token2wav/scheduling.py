@@ -47,6 +47,11 @@ def graph_rows(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+def powers_of_two_down(limit: int) -> list[int]:
+    """The batch sizes graphs are captured for (batches are padded to a power of two), largest first."""
+    return [1 << k for k in range(max(limit, 1).bit_length() - 1, -1, -1)]
+
+
 class CallCosts:
     """Seconds an engine call takes, by (chunk key, padded rows), learned from the calls that ran.
 
@@ -126,7 +131,7 @@ def rows_keeping_deadlines(now: float, queue: list[Due], chosen: Hashable, rows:
     near = [due for due in queue if due.deadline < horizon]
     if len(near) <= full and all(due.key == chosen for due in near):
         return full  # everything near its deadline goes in this one call
-    candidates = [full] + [r for r in (1 << k for k in range(full.bit_length())) if r < full][::-1]
+    candidates = [full] + [r for r in powers_of_two_down(full) if r < full]
     best, best_missed = full, None
     for candidate in candidates:  # largest first: a tie keeps the larger call
         missed = missed_deadlines(now, queue, chosen, candidate, max_rows, costs, horizon, margin)

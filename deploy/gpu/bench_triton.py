@@ -119,17 +119,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def start_gateway(log_path: Path, llm_url: str, llm_dir: Path, voices: Path, triton_grpc: str):
-    """The gateway under uvicorn (``deploy.local.stack.GatewayProcess``) over this run's Triton and
-    replayer, with the pipeline mode's settings; admission open to every stream the bench starts."""
+    """The gateway under uvicorn (``deploy.local.stack.GatewayProcess``, configured as the local stack
+    configures it) over this run's Triton and replayer, with the pipeline mode's settings; admission open
+    to every stream the bench starts."""
     from backends.llm.vllm_launcher import free_port
-    from deploy.local.stack import GatewayProcess
+    from deploy.local.stack import GatewayProcess, StackConfig, gateway_env
 
-    port = free_port()
-    gateway = GatewayProcess("127.0.0.1", port, {
-        "TTS_HOST": "127.0.0.1", "TTS_PORT": str(port), "TTS_LLM_URL": llm_url, "TTS_LLM_MODEL": "cosyvoice2",
-        "TTS_LLM_TOKENIZER_DIR": str(llm_dir), "TTS_TRITON_URL": triton_grpc, "TTS_VOICES_DIR": str(voices),
-        "TTS_TEXT_NORMALIZATION": "false", "TTS_LOG_FORMAT": "text", "TTS_MAX_CONCURRENT_STREAMS": "0",
-    }, log_path=log_path)
+    cfg = StackConfig(gateway_port=free_port(), gateway_env={
+        "TTS_TEXT_NORMALIZATION": "false", "TTS_LOG_FORMAT": "text", "TTS_MAX_CONCURRENT_STREAMS": "0"})
+    gateway = GatewayProcess(cfg.host, cfg.gateway_port, gateway_env(cfg, llm_dir, voices, llm_url, triton_grpc),
+                             log_path=log_path)
     gateway.start(ready_timeout_s=120)
     return gateway
 
